@@ -1,0 +1,1 @@
+"""Engine adapters. Each implements the hook specification in ``kvstrata.core.hookspecs``."""

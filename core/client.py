@@ -1,0 +1,76 @@
+"""Typed calls over the transport: what engine-side code uses to talk to the cache server."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+from .keys import CacheKey
+from .layouts import PagedKVLayout
+from .protocol import RequestType, chunk_major_retrieve_tail
+from .transport import Client
+
+
+class CacheClient:
+    def __init__(self, address: str, *, timeout: float = 30.0) -> None:
+        self.transport = Client(address, default_timeout=timeout)
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def ping(self, timeout: float | None = None) -> str:
+        return self.transport.call(RequestType.PING, [], timeout)
+
+    def server_info(self) -> dict[str, Any]:
+        return self.transport.call(RequestType.SERVER_INFO, [])
+
+    def register_kv_cache(self, instance_id: int, layout: PagedKVLayout, placement: str) -> dict[str, Any]:
+        return self.transport.call(RequestType.REGISTER_KV_CACHE, [instance_id, layout.to_wire(placement)])
+
+    def unregister_kv_cache(self, instance_id: int) -> bool:
+        return self.transport.call(RequestType.UNREGISTER_KV_CACHE, [instance_id])
+
+    def lookup_async(self, key: CacheKey) -> Future:
+        return self.transport.submit(RequestType.LOOKUP, [key.to_wire()])
+
+    def lookup(self, key: CacheKey) -> int:
+        """Hit length in tokens; the hit chunks stay locked for key.request_id."""
+        return self.transport.wait(self.lookup_async(key))["hit_tokens"]
+
+    def store_async(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
+                    skip_first_n_tokens: int = 0, event_handle: bytes | None = None) -> Future:
+        return self.transport.submit(
+            RequestType.STORE,
+            [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle, skip_first_n_tokens],
+        )
+
+    def store(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
+              skip_first_n_tokens: int = 0, event_handle: bytes | None = None) -> dict[str, Any]:
+        return self.transport.wait(self.store_async(key, instance_id, block_ids, skip_first_n_tokens, event_handle))
+
+    def retrieve_async(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
+                       skip_first_n_tokens: int = 0, event_handle: bytes | None = None,
+                       arrival_board: dict[str, Any] | None = None, layer_event_handles: list[bytes] | None = None,
+                       layers_per_stage: int = 0) -> Future:
+        """Send RETRIEVE: always eight items, ``(None, None, 0)`` as the tail when chunk-major."""
+        if layers_per_stage == 0 and arrival_board is None and layer_event_handles is None:
+            tail = list(chunk_major_retrieve_tail())
+        else:
+            tail = [arrival_board, layer_event_handles, layers_per_stage]
+        payload = [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle,
+                   skip_first_n_tokens, *tail]
+        return self.transport.submit(RequestType.RETRIEVE, payload)
+
+    def retrieve(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
+                 **kw: Any) -> dict[str, Any]:
+        return self.transport.wait(self.retrieve_async(key, instance_id, block_ids, **kw))
+
+    def free_lookup_locks(self, request_id: str) -> int:
+        return self.transport.call(RequestType.FREE_LOOKUP_LOCKS, [request_id])
+
+    def end_session(self, request_id: str) -> int:
+        return self.transport.call(RequestType.END_SESSION, [request_id])
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,55 @@
+"""Event backends: how a worker learns that a layer slice's bytes are usable.
+
+The transfer context exposes its backend as the public ``event_backend``
+property and its device as ``device``; nothing reaches into private names.
+
+* :class:`HostEventBackend` (CPU): no events. A slice is usable once the
+  arrival count covers it, because a CPU copy is complete when the server
+  publishes the count.
+* ``CudaEventBackend`` (``kvstrata.native.cuda_events``): one interprocess CUDA
+  event per layer, exported once per pool slot and sent as bytes; the worker
+  makes its compute stream wait on the event instead of blocking the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class EventBackend(Protocol):
+    name: str
+    device: str
+
+    def create_layer_events(self, count: int) -> list[Any]:
+        """Completion objects for ``count`` layers, built once per pool slot."""
+
+    def export(self, events: list[Any]) -> list[bytes] | None:
+        """Wire handles for the server, made once per slot (None: the board alone completes)."""
+
+    def wait(self, event: Any) -> None:
+        """Make the engine's current stream wait for ``event`` (after the board covered it)."""
+
+
+class HostEventBackend:
+    name = "host"
+    device = "cpu"
+
+    def create_layer_events(self, count: int) -> list[Any]:
+        return [None] * count
+
+    def export(self, events: list[Any]) -> list[bytes] | None:
+        return None
+
+    def wait(self, event: Any) -> None:
+        return None
+
+
+def event_backend_for(device: str) -> EventBackend:
+    """The backend for a device string: ``cpu`` or ``cuda[:N]``."""
+    if device == "cpu":
+        return HostEventBackend()
+    if device.startswith("cuda"):
+        from kvstrata.native.cuda_events import CudaEventBackend
+
+        return CudaEventBackend(device)
+    raise ValueError(f"no event backend for device {device!r}: expected 'cpu' or 'cuda[:N]'")

@@ -1,0 +1,70 @@
+"""Cache keys: which chunks of a token sequence the store holds.
+
+A chunk's key is a rolling hash: the hash of everything before it, the chunk's
+own token ids and the model shard (model name, world size, rank, optional
+salt). Two requests that share a prefix therefore share the keys of the
+prefix's chunks, and a chunk is only ever reused after the exact same prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+TOKEN_DTYPE = np.dtype("<i8")
+
+
+def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    if len(data) % TOKEN_DTYPE.itemsize:
+        raise ValueError(f"token bytes must be a multiple of {TOKEN_DTYPE.itemsize}, got {len(data)}")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """The wire form of a key (see ``protocol.CACHE_KEY``) as a typed object."""
+
+    request_id: str
+    model: str
+    world_size: int
+    rank: int
+    tokens: bytes
+    salt: str | None = None
+
+    @classmethod
+    def for_tokens(cls, request_id: str, token_ids: Sequence[int] | np.ndarray, *, model: str,
+                   world_size: int = 1, rank: int = 0, salt: str | None = None) -> "CacheKey":
+        return cls(request_id, model, world_size, rank, pack_tokens(token_ids), salt)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "CacheKey":
+        return cls(d["request_id"], d["model"], d["world_size"], d["rank"], bytes(d["tokens"]), d.get("salt"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "model": self.model, "world_size": self.world_size,
+                "rank": self.rank, "salt": self.salt, "tokens": self.tokens}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_DTYPE.itemsize
+
+    def chunk_hashes(self, chunk_size: int) -> list[bytes]:
+        """One 16-byte digest per chunk, the last one possibly covering a partial chunk."""
+        tokens = unpack_tokens(self.tokens)
+        seed = hashlib.blake2b(digest_size=16)
+        seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}".encode())
+        prev = seed.digest()
+        out = []
+        for start in range(0, len(tokens), chunk_size):
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(tokens[start:start + chunk_size].tobytes())
+            prev = h.digest()
+            out.append(prev)
+        return out

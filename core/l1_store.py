@@ -1,0 +1,224 @@
+"""The L1 store: chunk objects in one host shared-memory pool, LRU-evicted, lock-aware.
+
+Why one pool sized at start: the GPU path pins (``cudaHostRegister``) the pool
+once, and a worker-executed retrieve maps it read-only once; allocating per
+object would make both per-object costs. Objects are ``[kv, layer, token,
+hidden]`` bytes at an aligned offset; the store tracks only offsets, sizes and
+locks, never the bytes' meaning beyond the shape signature.
+
+Locks: LOOKUP read-locks the chunks it reports for that request, so they cannot
+be evicted between LOOKUP and RETRIEVE. RETRIEVE, FREE_LOOKUP_LOCKS and
+END_SESSION release them. A STORE that cannot find room after evicting every
+unlocked object fails with :class:`StoreFull`; it never overwrites a locked
+object.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .shm import Segment
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 512
+
+
+class StoreFull(RuntimeError):
+    """No room for an object even after evicting everything unlocked."""
+
+
+@dataclass
+class StoredObject:
+    digest: bytes
+    offset: int
+    nbytes: int
+    num_tokens: int
+    shape_signature: tuple[int, int, int, int]
+    """(kv, layers, heads, head_bytes) of the cache it was gathered from."""
+    locks: int = 0
+    committed: bool = False
+
+
+class _FreeList:
+    """First-fit allocator over [0, size) with coalescing of neighbours."""
+
+    def __init__(self, size: int) -> None:
+        self._starts = [0]
+        self._sizes = {0: size}
+
+    def alloc(self, nbytes: int) -> int | None:
+        nbytes = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        for start in self._starts:
+            size = self._sizes[start]
+            if size >= nbytes:
+                self._starts.remove(start)
+                del self._sizes[start]
+                if size > nbytes:
+                    self._insert(start + nbytes, size - nbytes)
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        nbytes = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        i = bisect.bisect_left(self._starts, start)
+        # merge with the following free range
+        if i < len(self._starts) and self._starts[i] == start + nbytes:
+            nxt = self._starts.pop(i)
+            nbytes += self._sizes.pop(nxt)
+        # merge with the preceding free range
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._sizes[prev] == start:
+                self._sizes[prev] += nbytes
+                return
+        self._insert(start, nbytes)
+
+    def _insert(self, start: int, size: int) -> None:
+        bisect.insort(self._starts, start)
+        self._sizes[start] = size
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+
+class L1Store:
+    """Chunk objects keyed by rolling-hash digest, in one shared-memory pool."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.segment = Segment.create("l1", capacity_bytes)
+        self.capacity = capacity_bytes
+        self.pool = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+        self._free = _FreeList(capacity_bytes)
+        self._objects: "collections.OrderedDict[bytes, StoredObject]" = collections.OrderedDict()
+        self._lookup_locks: dict[str, collections.Counter[bytes]] = {}
+        self._lock = threading.RLock()
+        self.evictions = 0
+
+    # --- views -----------------------------------------------------------------------
+
+    def object_view(self, obj: StoredObject) -> torch.Tensor:
+        kv, layers, heads, head_bytes = obj.shape_signature
+        return self.pool[obj.offset:obj.offset + obj.nbytes].view(kv, layers, obj.num_tokens, heads, head_bytes)
+
+    # --- lookup and locks ------------------------------------------------------------
+
+    def lookup(self, request_id: str, digests: list[bytes], lock: bool = True) -> list[StoredObject]:
+        """The longest run of committed objects from the first digest on; locked for request_id."""
+        with self._lock:
+            hit = []
+            for d in digests:
+                obj = self._objects.get(d)
+                if obj is None or not obj.committed:
+                    break
+                hit.append(obj)
+            if lock and hit:
+                held = self._lookup_locks.setdefault(request_id, collections.Counter())
+                for obj in hit:
+                    obj.locks += 1
+                    held[obj.digest] += 1
+                    self._objects.move_to_end(obj.digest)
+            return hit
+
+    def get_locked(self, request_id: str, digests: Iterable[bytes]) -> list[StoredObject]:
+        """The objects for digests, each of which must be held by request_id's lookup locks."""
+        with self._lock:
+            held = self._lookup_locks.get(request_id, collections.Counter())
+            out = []
+            for d in digests:
+                if held[d] <= 0:
+                    raise KeyError(
+                        f"chunk {d.hex()[:12]} is not locked for request {request_id!r}: LOOKUP it first"
+                    )
+                out.append(self._objects[d])
+            return out
+
+    def release_locks(self, request_id: str) -> int:
+        """Release every lookup lock request_id holds; returns how many."""
+        with self._lock:
+            held = self._lookup_locks.pop(request_id, None)
+            if not held:
+                return 0
+            n = 0
+            for d, count in held.items():
+                obj = self._objects.get(d)
+                if obj is not None:
+                    obj.locks -= count
+                    n += count
+            return n
+
+    def locks_held(self, request_id: str) -> int:
+        with self._lock:
+            return sum(self._lookup_locks.get(request_id, {}).values())
+
+    # --- allocation ------------------------------------------------------------------
+
+    def reserve(self, digest: bytes, num_tokens: int, nbytes: int,
+                shape_signature: tuple[int, int, int, int]) -> StoredObject | None:
+        """Allocate an uncommitted, locked object, evicting LRU unlocked ones to make room.
+
+        Returns None if the digest is already stored (or being stored). Raises
+        StoreFull if no room can be made without touching a locked object.
+        """
+        if nbytes > self.capacity:
+            raise StoreFull(f"an object of {nbytes} bytes is larger than the whole L1 pool ({self.capacity})")
+        with self._lock:
+            if digest in self._objects:
+                self._objects.move_to_end(digest)
+                return None
+            offset = self._free.alloc(nbytes)
+            while offset is None:
+                if not self._evict_one():
+                    raise StoreFull(
+                        f"L1 pool full: {nbytes} bytes needed, {self._free.free_bytes} free of {self.capacity} "
+                        f"and every remaining object is locked"
+                    )
+                offset = self._free.alloc(nbytes)
+            obj = StoredObject(digest, offset, nbytes, num_tokens, shape_signature, locks=1)
+            self._objects[digest] = obj
+            return obj
+
+    def commit(self, obj: StoredObject) -> None:
+        with self._lock:
+            obj.committed = True
+            obj.locks -= 1
+
+    def abandon(self, obj: StoredObject) -> None:
+        """Drop a reserved object whose bytes never arrived."""
+        with self._lock:
+            if self._objects.get(obj.digest) is obj:
+                del self._objects[obj.digest]
+                self._free.free(obj.offset, obj.nbytes)
+
+    def _evict_one(self) -> bool:
+        for digest, obj in self._objects.items():
+            if obj.locks == 0 and obj.committed:
+                del self._objects[digest]
+                self._free.free(obj.offset, obj.nbytes)
+                self.evictions += 1
+                return True
+        return False
+
+    # --- stats -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "capacity_bytes": self.capacity,
+                "free_bytes": self._free.free_bytes,
+                "objects": len(self._objects),
+                "locked_objects": sum(1 for o in self._objects.values() if o.locks > 0),
+                "evictions": self.evictions,
+            }
+
+    def close(self) -> None:
+        del self.pool
+        self.segment.destroy()

@@ -1,0 +1,163 @@
+"""Transfer plans: which bytes of which L1 objects go to which engine blocks, and in what order.
+
+A retrieve moves a run of chunk objects into the engine's blocks. The
+chunk-major plan (the default) hands every object to the executor in one call
+covering all layers. The layer-major plan walks the layer axis in slices of
+``layers_per_stage`` layers, hands the executor every object's slice, and calls
+``on_layer_batch(layer_start, layer_count)`` after each slice so that the caller
+can record that slice's completion. An object is ``[kv, layer, token, hidden]``,
+so a layer slice is ``kv`` contiguous byte ranges inside it: no change to what is
+stored, only to how much of it one step moves.
+
+The plan is pure arithmetic; the executor (``kvstrata.native``) does the copies.
+That keeps the planner testable without a GPU and lets the CPU reference and
+the CUDA kernel run the very same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .layouts import PagedKVLayout
+
+log = logging.getLogger(__name__)
+
+OnLayerBatch = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """Part of one L1 object that lands in the engine's cache."""
+
+    object_index: int
+    """Index into the executor's list of source objects for this transfer."""
+    src_token_start: int
+    """First token inside the object to move."""
+    num_tokens: int
+    dst_position: int
+    """Sequence position of the first moved token (selects block and offset)."""
+
+
+@dataclass
+class TransferJob:
+    """Everything an executor needs besides the bytes themselves."""
+
+    layout: PagedKVLayout
+    block_ids: Sequence[Sequence[int]]
+    copies: list[ChunkCopy]
+    _slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.copies)
+
+    def slots(self, copy_index: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids, in-block offsets) of every token of one copy, for one KV group. Cached."""
+        key = (copy_index, group)
+        hit = self._slots.get(key)
+        if hit is None:
+            c = self.copies[copy_index]
+            pos = torch.arange(c.dst_position, c.dst_position + c.num_tokens, dtype=torch.int64)
+            table = torch.as_tensor(self.block_ids[group], dtype=torch.int64)
+            bs = self.layout.block_size
+            hit = (table[pos // bs], pos % bs)
+            self._slots[key] = hit
+        return hit
+
+
+class Executor(Protocol):
+    """What a native backend provides to run a plan (see ``kvstrata.native``)."""
+
+    def scatter(self, job: TransferJob, layer_start: int, layer_count: int) -> None:
+        """Move layers [layer_start, layer_start + layer_count) of every copy into the cache.
+
+        ``layer_count == 0`` means all layers in one launch: the chunk-major path.
+        May return before the copy is complete on an asynchronous device; the
+        caller records completion in ``on_layer_batch``.
+        """
+
+    def gather(self, job: TransferJob) -> None:
+        """Move every layer of every copy from the cache into the objects (STORE)."""
+
+
+def plan_copies(object_tokens: Sequence[int], chunk_size: int, first_position: int,
+                skip_first_n_tokens: int) -> list[ChunkCopy]:
+    """Copies for objects laid end to end from ``first_position``, skipping tokens the engine has.
+
+    ``object_tokens[i]`` is how many tokens object ``i`` holds (``chunk_size`` except
+    maybe the last). Tokens before ``skip_first_n_tokens`` are not moved, so a
+    partially skipped chunk contributes only its tail.
+    """
+    copies = []
+    position = first_position
+    for index, n in enumerate(object_tokens):
+        if n <= 0 or n > chunk_size:
+            raise ValueError(f"object {index} holds {n} tokens, chunk size is {chunk_size}")
+        start = max(skip_first_n_tokens - position, 0)
+        if start < n:
+            copies.append(ChunkCopy(index, start, n - start, position + start))
+        position += n
+    return copies
+
+
+def layer_slices(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]]:
+    """(layer_start, layer_count) per slice; the last slice may be shorter."""
+    if layers_per_stage <= 0:
+        return [(0, num_layers)]
+    return [(s, min(layers_per_stage, num_layers - s)) for s in range(0, num_layers, layers_per_stage)]
+
+
+def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None) -> None:
+    """The default path: one all-layer launch. ``on_layer_batch`` sees one batch of every layer."""
+    executor.scatter(job, 0, 0)
+    if on_layer_batch is not None:
+        on_layer_batch(0, job.layout.num_layers)
+
+
+def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
+                    on_layer_batch: OnLayerBatch) -> None:
+    """Issue one executor call per layer slice, calling back after each.
+
+    Deliberately narrower than chunk-major: one KV group only (the caller falls
+    back to chunk-major for hybrid layouts, see :func:`layer_major_fallback_reason`).
+    """
+    if layers_per_stage <= 0:
+        raise ValueError("run_layer_major needs layers_per_stage > 0; 0 is the chunk-major path")
+    for start, count in layer_slices(job.layout.num_layers, layers_per_stage):
+        executor.scatter(job, start, count)
+        on_layer_batch(start, count)
+
+
+def run_transfer(executor: Executor, job: TransferJob, layers_per_stage: int,
+                 on_layer_batch: OnLayerBatch | None = None) -> None:
+    if layers_per_stage > 0:
+        run_layer_major(executor, job, layers_per_stage, on_layer_batch or (lambda s, c: None))
+    else:
+        run_chunk_major(executor, job, on_layer_batch)
+
+
+def layer_major_fallback_reason(layout: PagedKVLayout, *, sliceable: bool = True,
+                                native_available: bool = True) -> str | None:
+    """Why a layer-major request must run chunk-major instead, or None if it need not."""
+    if layout.is_hybrid:
+        return (f"the cache holds {len(layout.groups)} KV groups (hybrid model); "
+                "layer-major staging supports one group")
+    if not sliceable:
+        return "the retrieve includes objects on a tier that cannot be sliced by layer"
+    if not native_available:
+        return "the native transfer extension is not available"
+    return None
+
+
+_logged_reasons: set[str] = set()
+
+
+def log_fallback_once(reason: str) -> None:
+    """Log each distinct fallback reason once per process, at WARNING."""
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        log.warning("layer-major retrieve falls back to chunk-major: %s", reason)

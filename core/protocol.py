@@ -1,0 +1,240 @@
+"""The wire protocol: request types and the declared shape of every payload.
+
+The declarations are the single source of truth for both ends. The server checks
+each registered handler against them at start-up (so a handler that grew a
+parameter without the protocol following fails at registration, not on the
+first request), and both ends check every payload against them (so a client and
+a server that disagree get an error reply naming the request type instead of a
+half-decoded call).
+
+Payloads are positional lists of plain values (int, str, bytes, bool, None,
+lists and string-keyed maps of those). Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+class RequestType(enum.IntEnum):
+    """Every request a client can send. Values are wire codes: never renumber."""
+
+    PING = 0
+    REGISTER_KV_CACHE = 1
+    UNREGISTER_KV_CACHE = 2
+    LOOKUP = 3
+    STORE = 4
+    RETRIEVE = 5
+    FREE_LOOKUP_LOCKS = 6
+    END_SESSION = 7
+    SERVER_INFO = 8
+
+
+class ProtocolError(ValueError):
+    """A payload or handler does not match the protocol declaration."""
+
+
+# --- value type descriptors -------------------------------------------------------
+#
+# A type descriptor is a small predicate with a name, so that an error can say
+# "item 3 (block_ids) must be list[list[int]], got list[str]".
+
+
+@dataclass(frozen=True)
+class ValueType:
+    name: str
+    check: Callable[[Any], bool]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+INT = ValueType("int", _is_int)
+NONNEG_INT = ValueType("int >= 0", lambda v: _is_int(v) and v >= 0)
+STR = ValueType("str", lambda v: isinstance(v, str))
+BYTES = ValueType("bytes", lambda v: isinstance(v, (bytes, bytearray)))
+BOOL = ValueType("bool", lambda v: isinstance(v, bool))
+MAP = ValueType("map", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v))
+ANY = ValueType("any", lambda v: True)
+
+
+def optional(t: ValueType) -> ValueType:
+    return ValueType(f"{t.name} | None", lambda v: v is None or t.check(v))
+
+
+def list_of(t: ValueType) -> ValueType:
+    return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and all(t.check(x) for x in v))
+
+
+def map_with(required: dict[str, ValueType], name: str) -> ValueType:
+    """A string-keyed map that must hold at least ``required`` keys of the given types."""
+
+    def check(v: Any) -> bool:
+        if not MAP.check(v):
+            return False
+        return all(k in v and t.check(v[k]) for k, t in required.items())
+
+    return ValueType(name, check)
+
+
+# --- payload declarations ----------------------------------------------------------
+
+CACHE_KEY = map_with(
+    {
+        "request_id": STR,
+        "model": STR,
+        "world_size": INT,
+        "rank": NONNEG_INT,
+        "salt": optional(STR),
+        "tokens": BYTES,
+    },
+    "CacheKey{request_id,model,world_size,rank,salt,tokens}",
+)
+"""Identifies a request's token sequence (int64 little-endian token ids) and the
+model shard it belongs to. See :mod:`kvstrata.core.keys`."""
+
+BOARD_REF = map_with(
+    {"name": STR, "slot": NONNEG_INT, "generation": NONNEG_INT},
+    "BoardRef{name,slot,generation}",
+)
+"""Names one arrival-board slot: the shared-memory segment, the slot index and
+the generation the worker stamped on it for this retrieve."""
+
+KV_CACHE_DESCRIPTOR = map_with(
+    {"format": STR, "placement": STR, "num_layers": INT, "kv_size": INT},
+    "KVCacheDescriptor{format,placement,num_layers,kv_size,...}",
+)
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    type: ValueType
+
+
+@dataclass(frozen=True)
+class Declaration:
+    request_type: RequestType
+    items: tuple[Item, ...]
+    response: ValueType
+    blocking: bool
+    """Blocking handlers run on the transfer executor, never on the socket loop."""
+
+    @property
+    def arity(self) -> int:
+        return len(self.items)
+
+    def validate(self, payload: Any) -> None:
+        """Raise ProtocolError naming the request type and the first mismatch."""
+        rt = self.request_type.name
+        if not isinstance(payload, list):
+            raise ProtocolError(f"{rt}: payload must be a list of {self.arity} items, got {type(payload).__name__}")
+        if len(payload) != self.arity:
+            names = ", ".join(i.name for i in self.items)
+            raise ProtocolError(
+                f"{rt}: payload has {len(payload)} items, the protocol declares {self.arity} ({names})"
+            )
+        for index, (item, value) in enumerate(zip(self.items, payload)):
+            if not item.type.check(value):
+                raise ProtocolError(
+                    f"{rt}: item {index} ({item.name}) must be {item.type}, got {_describe(value)}"
+                )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        inner = sorted({type(v).__name__ for v in value})
+        return f"list[{' | '.join(inner) or 'empty'}]"
+    if isinstance(value, dict):
+        return f"map with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+RETRIEVE_ITEMS = (
+    Item("key", CACHE_KEY),
+    Item("instance_id", NONNEG_INT),
+    Item("block_ids", list_of(list_of(NONNEG_INT))),
+    Item("event_handle", optional(BYTES)),
+    Item("skip_first_n_tokens", NONNEG_INT),
+    Item("arrival_board", optional(BOARD_REF)),
+    Item("layer_event_handles", optional(list_of(BYTES))),
+    Item("layers_per_stage", NONNEG_INT),
+)
+"""RETRIEVE is always eight items. A chunk-major retrieve sends ``None, None, 0``
+for the last three; never shorten the list, both ends reject a wrong length."""
+
+DECLARATIONS: dict[RequestType, Declaration] = {
+    d.request_type: d
+    for d in (
+        Declaration(RequestType.PING, (), STR, blocking=False),
+        Declaration(RequestType.SERVER_INFO, (), MAP, blocking=False),
+        Declaration(
+            RequestType.REGISTER_KV_CACHE,
+            (Item("instance_id", NONNEG_INT), Item("descriptor", KV_CACHE_DESCRIPTOR)),
+            MAP,
+            blocking=True,
+        ),
+        Declaration(RequestType.UNREGISTER_KV_CACHE, (Item("instance_id", NONNEG_INT),), BOOL, blocking=True),
+        Declaration(RequestType.LOOKUP, (Item("key", CACHE_KEY),), MAP, blocking=False),
+        Declaration(
+            RequestType.STORE,
+            (
+                Item("key", CACHE_KEY),
+                Item("instance_id", NONNEG_INT),
+                Item("block_ids", list_of(list_of(NONNEG_INT))),
+                Item("event_handle", optional(BYTES)),
+                Item("skip_first_n_tokens", NONNEG_INT),
+            ),
+            MAP,
+            blocking=True,
+        ),
+        Declaration(RequestType.RETRIEVE, RETRIEVE_ITEMS, MAP, blocking=True),
+        Declaration(RequestType.FREE_LOOKUP_LOCKS, (Item("request_id", STR),), INT, blocking=False),
+        Declaration(RequestType.END_SESSION, (Item("request_id", STR),), INT, blocking=False),
+    )
+}
+
+
+def declaration(request_type: RequestType) -> Declaration:
+    return DECLARATIONS[request_type]
+
+
+def chunk_major_retrieve_tail() -> tuple[None, None, int]:
+    """The last three RETRIEVE items for a retrieve without layer-major staging."""
+    return (None, None, 0)
+
+
+def check_handler_signature(request_type: RequestType, handler: Callable[..., Any]) -> None:
+    """Raise ProtocolError unless ``handler`` takes exactly the declared payload items.
+
+    Called when a handler is registered, so a protocol/handler mismatch stops the
+    server at start-up with both arities named, instead of failing every request.
+    """
+    decl = DECLARATIONS[request_type]
+    params = [
+        p
+        for p in inspect.signature(handler).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(handler).parameters.values()):
+        raise ProtocolError(
+            f"Handler for RequestType.{request_type.name} takes *args; it must take exactly "
+            f"{decl.arity} arguments"
+        )
+    if len(params) != decl.arity:
+        raise ProtocolError(
+            f"Handler for RequestType.{request_type.name} expects {len(params)} arguments, "
+            f"but the protocol declares {decl.arity}: handler signature does not match for "
+            f"request type {request_type.name}"
+        )
+
+
+def validate_payload(request_type: RequestType, payload: Sequence[Any]) -> None:
+    DECLARATIONS[request_type].validate(payload)

@@ -1,0 +1,289 @@
+"""The cache server: protocol handlers over the L1 store, registered engine caches and the planner.
+
+Each handler takes exactly its request type's declared payload items (checked
+at registration). Handlers that move bytes run on the transport's transfer
+threads; every failure becomes an error reply naming the request type, and the
+server keeps serving. A retrieve that fails part-way marks its arrival-board
+slot failed, so a worker that released the request early learns it at once
+instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import planner
+from .arrival_board import ArrivalBoard
+from .keys import CacheKey
+from .l1_store import L1Store, StoreFull, StoredObject
+from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
+from .protocol import RequestType
+from .targets import Target, open_target
+from .transport import Server
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class ServerConfig:
+    address: str
+    l1_bytes: int = 1 << 30
+    chunk_size: int = 256
+    transfer_threads: int = 4
+    allow_remote: bool = False
+
+
+@dataclass
+class _Instance:
+    instance_id: int
+    layout: PagedKVLayout
+    placement: str
+    target: Target
+
+
+class RequestError(ValueError):
+    """A well-formed request that cannot be served (unknown instance, bad block ids, ...)."""
+
+
+class CacheServer:
+    def __init__(self, config: ServerConfig) -> None:
+        if config.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
+        self.config = config
+        self.store = L1Store(config.l1_bytes)
+        self._instances: dict[int, _Instance] = {}
+        self._boards: dict[str, ArrivalBoard] = {}
+        self._lock = threading.Lock()
+        self.transport = Server(config.address, transfer_threads=config.transfer_threads,
+                                allow_remote=config.allow_remote)
+        handlers = {
+            RequestType.PING: self.ping,
+            RequestType.SERVER_INFO: self.server_info,
+            RequestType.REGISTER_KV_CACHE: self.register_kv_cache,
+            RequestType.UNREGISTER_KV_CACHE: self.unregister_kv_cache,
+            RequestType.LOOKUP: self.lookup,
+            RequestType.STORE: self.store_kv,
+            RequestType.RETRIEVE: self.retrieve,
+            RequestType.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
+            RequestType.END_SESSION: self.end_session,
+        }
+        for rt, h in handlers.items():
+            self.transport.register(rt, h)
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def start(self) -> None:
+        self.transport.start()
+        log.info("kvstrata server %s listening on %s: L1 %d MiB in shared memory %s, chunk %d tokens, "
+                 "%d transfer threads", VERSION, self.address, self.config.l1_bytes >> 20,
+                 self.store.segment.name, self.config.chunk_size, self.config.transfer_threads)
+
+    def stop(self) -> None:
+        self.transport.stop()
+        with self._lock:
+            for inst in self._instances.values():
+                inst.target.close()
+            self._instances.clear()
+            for b in self._boards.values():
+                b.close()
+            self._boards.clear()
+        self.store.close()
+        log.info("kvstrata server stopped; shared-memory segment %s removed", self.store.segment.name)
+
+    # --- handlers --------------------------------------------------------------------
+
+    def ping(self) -> str:
+        return "pong"
+
+    def server_info(self) -> dict[str, Any]:
+        return {"version": VERSION, "chunk_size": self.config.chunk_size,
+                "l1": self.store.stats(), "pool": {"name": self.store.segment.name, "size": self.store.capacity},
+                "instances": sorted(self._instances)}
+
+    def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
+        placement = descriptor["placement"]
+        if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
+            raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
+        layout = PagedKVLayout.from_wire(descriptor)
+        target = open_target(layout, self.store.pool)
+        with self._lock:
+            old = self._instances.pop(instance_id, None)
+            self._instances[instance_id] = _Instance(instance_id, layout, placement, target)
+        if old is not None:
+            old.target.close()
+            log.info("instance %d re-registered; the previous registration was replaced", instance_id)
+        log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
+                 instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
+                 placement, target.device)
+        return {"instance_id": instance_id, "chunk_size": self.config.chunk_size, "device": target.device,
+                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+
+    def unregister_kv_cache(self, instance_id: int) -> bool:
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            return False
+        inst.target.close()
+        log.info("unregistered instance %d", instance_id)
+        return True
+
+    def lookup(self, key: dict[str, Any]) -> dict[str, Any]:
+        ck = CacheKey.from_wire(key)
+        hit = self.store.lookup(ck.request_id, ck.chunk_hashes(self.config.chunk_size))
+        return {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
+
+    def free_lookup_locks(self, request_id: str) -> int:
+        return self.store.release_locks(request_id)
+
+    def end_session(self, request_id: str) -> int:
+        return self.store.release_locks(request_id)
+
+    def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
+                 event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
+        inst = self._instance(instance_id)
+        ck = CacheKey.from_wire(key)
+        n = ck.num_tokens
+        layout = inst.layout
+        layout.check_block_ids(block_ids, n)
+        cs = self.config.chunk_size
+        digests = ck.chunk_hashes(cs)
+        inst.target.wait_for_engine(event_handle)
+        stored = skipped = 0
+        for index, digest in enumerate(digests):
+            start = index * cs
+            count = min(cs, n - start)
+            if start + count <= skip_first_n_tokens:
+                skipped += count
+                continue
+            obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
+            if obj is None:
+                skipped += count
+                continue
+            try:
+                job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
+                inst.target.executor([self.store.object_view(obj)]).gather(job)
+                inst.target.finish()
+            except BaseException:
+                self.store.abandon(obj)
+                raise
+            self.store.commit(obj)
+            stored += count
+        return {"stored_tokens": stored, "skipped_tokens": skipped}
+
+    def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
+                 event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
+                 layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any]:
+        ck = CacheKey.from_wire(key)
+        board: ArrivalBoard | None = None
+        keep_locks = False
+        try:
+            inst = self._instance(instance_id)
+            if arrival_board is not None:
+                board = self._board(arrival_board["name"])
+            if inst.placement == PLACEMENT_WORKER:
+                result = self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
+                keep_locks = True  # the worker copies now; FREE_LOOKUP_LOCKS or END_SESSION unpins
+                return result
+            return self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
+                                             board, arrival_board, layer_event_handles, layers_per_stage)
+        except Exception:
+            if board is not None and arrival_board is not None:
+                board.fail(arrival_board["slot"], arrival_board["generation"])
+            raise
+        finally:
+            if not keep_locks:
+                self.store.release_locks(ck.request_id)
+
+    # --- retrieve paths --------------------------------------------------------------
+
+    def _locked_objects(self, ck: CacheKey, layout: PagedKVLayout) -> list[StoredObject]:
+        digests = ck.chunk_hashes(self.config.chunk_size)
+        objects = self.store.get_locked(ck.request_id, digests)
+        for o in objects:
+            if o.shape_signature != layout.shape_signature():
+                raise RequestError(
+                    f"stored chunk {o.digest.hex()[:12]} has shape (kv, layers, heads, head_bytes) = "
+                    f"{o.shape_signature}, the registered cache has {layout.shape_signature()}"
+                )
+        return objects
+
+    def _retrieve_for_worker(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
+                             skip: int) -> dict[str, Any]:
+        """Worker placement: hand back where the objects are; the locks stay until FREE_LOOKUP_LOCKS."""
+        objects = self._locked_objects(ck, inst.layout)
+        inst.layout.check_block_ids(block_ids, ck.num_tokens)
+        return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_stage": 0, "fallback": None,
+                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects],
+                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+
+    def _retrieve_into_cache(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
+                             event_handle: bytes | None, skip: int, board: ArrivalBoard | None,
+                             board_ref: dict[str, Any] | None, layer_event_handles: list[bytes] | None,
+                             layers_per_stage: int) -> dict[str, Any]:
+        layout = inst.layout
+        n = ck.num_tokens
+        if skip > n:
+            raise RequestError(f"skip_first_n_tokens {skip} exceeds the key's {n} tokens")
+        layout.check_block_ids(block_ids, n)
+        objects = self._locked_objects(ck, layout)
+        copies = planner.plan_copies([o.num_tokens for o in objects], self.config.chunk_size, 0, skip)
+        job = planner.TransferJob(layout, block_ids, copies)
+        target = inst.target
+        events = target.open_layer_events(layer_event_handles)
+        width = layers_per_stage
+        fallback = None
+        if width > 0:
+            if board is None:
+                raise RequestError("layers_per_stage > 0 needs an arrival board reference")
+            fallback = planner.layer_major_fallback_reason(layout, native_available=target.native_available)
+            if fallback is not None:
+                planner.log_fallback_once(fallback)
+                width = 0
+
+        def on_layer_batch(layer_start: int, layer_count: int) -> None:
+            # Record the slice's events first, publish the count last: the count is
+            # what makes those events safe to wait on.
+            if events is not None:
+                for layer in range(layer_start, layer_start + layer_count):
+                    target.record(events[layer])
+            if board is not None:
+                board.publish(board_ref["slot"], board_ref["generation"], layer_start + layer_count)
+
+        started = time.perf_counter()
+        executor = target.executor([self.store.object_view(o) for o in objects])
+        planner.run_transfer(executor, job, width, on_layer_batch)
+        if event_handle is not None:
+            target.record(target.open_layer_events([event_handle])[0])
+        target.finish()
+        if board is not None:
+            board.publish(board_ref["slot"], board_ref["generation"], layout.num_layers, complete=True)
+        elapsed = time.perf_counter() - started
+        log.debug("retrieve %s: %d tokens into instance %d, width %d, %.2f ms", ck.request_id, job.num_tokens,
+                  inst.instance_id, width, elapsed * 1e3)
+        return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
+                "objects": None, "pool": None}
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _instance(self, instance_id: int) -> _Instance:
+        with self._lock:
+            inst = self._instances.get(instance_id)
+        if inst is None:
+            raise RequestError(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
+        return inst
+
+    def _board(self, name: str) -> ArrivalBoard:
+        with self._lock:
+            board = self._boards.get(name)
+            if board is None:
+                board = ArrivalBoard.attach(name)
+                self._boards[name] = board
+            return board

@@ -1,0 +1,103 @@
+"""The server's handle on a registered engine KV cache: where its bytes are and how to copy them.
+
+A target wraps a :class:`PagedKVLayout` with the memory behind it and gives the
+server an executor for a set of L1 objects plus the completion hooks of its
+device. The shared-memory target (CPU engines whose cache lives in shared
+memory, such as the reference engine) is here; the CUDA IPC target lives in
+``kvstrata.native.cuda_target`` and is imported only when a descriptor asks for
+it, so the server runs without CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from .layouts import PagedKVLayout, LayoutError
+from .planner import Executor
+from .shm import Segment
+
+
+class Target(Protocol):
+    layout: PagedKVLayout
+    device: str
+    native_available: bool
+
+    def executor(self, objects: Sequence[torch.Tensor]) -> Executor: ...
+
+    def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
+        """Open the worker's exported per-layer events (cached per handle list)."""
+
+    def record(self, event: Any) -> None:
+        """Record ``event`` after everything enqueued so far."""
+
+    def wait_for_engine(self, event_handle: bytes | None) -> None:
+        """Before a STORE reads the cache: wait for the engine's event, if any."""
+
+    def finish(self) -> None:
+        """Block until every copy enqueued so far is complete."""
+
+    def close(self) -> None: ...
+
+
+class ShmTarget:
+    """A CPU cache in the engine's shared-memory segments, written directly by the server."""
+
+    device = "cpu"
+    native_available = True
+
+    def __init__(self, layout: PagedKVLayout) -> None:
+        self.layout = layout
+        self._segments: list[Segment] = []
+        self.regions: list[torch.Tensor] = []
+        try:
+            for r in layout.regions:
+                if r.kind != "shm":
+                    raise LayoutError(f"region kind {r.kind!r} cannot be mixed into a shared-memory target")
+                seg = Segment.attach(r.name, r.size)
+                self._segments.append(seg)
+                self.regions.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=r.size))
+        except BaseException:
+            self.close()
+            raise
+
+    def executor(self, objects: Sequence[torch.Tensor]) -> Executor:
+        from kvstrata.native.reference import ReferenceExecutor
+
+        return ReferenceExecutor(self.regions, objects)
+
+    def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
+        if handles:
+            raise LayoutError("a CPU target takes no per-layer event handles: the arrival board completes slices")
+        return None
+
+    def record(self, event: Any) -> None:
+        return None
+
+    def wait_for_engine(self, event_handle: bytes | None) -> None:
+        if event_handle:
+            raise LayoutError("a CPU target takes no event handle")
+
+    def finish(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.regions.clear()
+        for seg in self._segments:
+            seg.close()
+        self._segments.clear()
+
+
+def open_target(layout: PagedKVLayout, pool: torch.Tensor) -> Target:
+    """The target for a descriptor's memory regions."""
+    kinds = {r.kind for r in layout.regions}
+    if kinds == {"shm"}:
+        return ShmTarget(layout)
+    if kinds == {"cuda_ipc"}:
+        try:
+            from kvstrata.native.cuda_target import CudaIpcTarget
+        except ImportError as exc:
+            raise LayoutError(f"CUDA IPC registration needs the CUDA target, which failed to import: {exc}") from None
+        return CudaIpcTarget(layout, pool)
+    raise LayoutError(f"unsupported memory region kinds {sorted(kinds)}: expected all 'shm' or all 'cuda_ipc'")

@@ -1,0 +1,337 @@
+"""The engine-side runtime: submit retrieves, release requests early, wait per layer.
+
+Engine-agnostic: adapters translate their engine's calls into these four.
+
+* :meth:`LayerwiseWorker.submit_retrieve` starts a retrieve with a slice width.
+* :meth:`LayerwiseWorker.get_finished` reports a request as soon as its first
+  slice has landed (the gate's release policy), and keeps it in a draining set
+  until the transfer really completes, so completion and failure are still
+  collected and the arrival slot is freed then.
+* :meth:`LayerwiseWorker.wait_for_layer` blocks until every released, still
+  in-flight retrieve has the layer, bounded by a timeout that logs and reports
+  the request's blocks as failed instead of hanging the engine thread.
+* :meth:`LayerwiseWorker.take_failed` hands the engine the blocks to recompute.
+
+Two placements share the gate. Server placement: the server writes into the
+engine's cache and publishes progress on the arrival board. Worker placement:
+the server only locks and locates the chunks; this process maps the L1 pool
+read-only and runs the same planner itself, recording slices straight into the
+gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import planner
+from .arrival_gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
+from .arrival_pool import ArrivalPool, ArrivalSlot
+from .client import CacheClient
+from .events import EventBackend, HostEventBackend
+from .keys import CacheKey
+from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
+from .protocol import RequestType
+from .shm import Segment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetrieveRecord:
+    """What happened to one retrieve, for logs, tests and benchmarks."""
+
+    request_id: str
+    num_tokens: int
+    layers_per_stage: int
+    submitted_at: float
+    released_at: float | None = None
+    completed_at: float | None = None
+    released_before_complete: bool | None = None
+    layer_waits: int = 0
+    failure: str | None = None
+    fallback: str | None = None
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    block_ids: list[list[int]]
+    future: Future
+    gate: LayerArrivalGate
+    slot: ArrivalSlot | None
+    width: int
+    record: RetrieveRecord
+    released: bool = False
+    failed: bool = False
+    settled: bool = False
+    refresh: Callable[[], None] | None = None
+    _board_seen: int = field(default=0)
+
+
+class LayerwiseWorker:
+    def __init__(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
+                 placement: str = PLACEMENT_SERVER, event_backend: EventBackend | None = None,
+                 local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
+                 release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
+                 retrieve_timeout: float = 120.0) -> None:
+        if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
+            raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
+        if placement == PLACEMENT_WORKER and local_regions is None:
+            raise ValueError("worker placement needs local_regions: the engine cache this process writes")
+        self.client = client
+        self.instance_id = instance_id
+        self.layout = layout
+        self.placement = placement
+        self._event_backend = event_backend or HostEventBackend()
+        self.local_regions = list(local_regions) if local_regions is not None else None
+        self.release_after_layers = release_after_layers
+        self.layer_wait_timeout = layer_wait_timeout
+        self.retrieve_timeout = retrieve_timeout
+        self.pool = ArrivalPool(pool_slots, layout.num_layers, self._event_backend) if placement == PLACEMENT_SERVER \
+            else None
+        self._inflight: dict[str, _InFlight] = {}
+        self._failed: dict[str, tuple[list[list[int]], str]] = {}
+        self.records: dict[str, RetrieveRecord] = {}
+        self._lock = threading.RLock()
+        self._transfer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-worker-transfer") \
+            if placement == PLACEMENT_WORKER else None
+        self._l1_pool: Segment | None = None
+        self._l1_tensor: torch.Tensor | None = None
+        self.chunk_size: int | None = None
+
+    # --- public properties the design asks adapters to use ---------------------------
+
+    @property
+    def event_backend(self) -> EventBackend:
+        return self._event_backend
+
+    @property
+    def device(self) -> str:
+        return self._event_backend.device
+
+    # --- registration ----------------------------------------------------------------
+
+    def register(self) -> dict[str, Any]:
+        reply = self.client.register_kv_cache(self.instance_id, self.layout, self.placement)
+        self.chunk_size = int(reply["chunk_size"])
+        log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
+                 self.instance_id, self.client.address, self.placement, self.chunk_size)
+        return reply
+
+    # --- retrieve --------------------------------------------------------------------
+
+    def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
+                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0) -> None:
+        """Start moving ``key``'s tokens into ``block_ids``; returns at once."""
+        blocks = [list(map(int, g)) for g in block_ids]
+        record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_stage, time.perf_counter())
+        gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
+        width = layers_per_stage
+        if width > 0:
+            reason = planner.layer_major_fallback_reason(self.layout)
+            if reason is not None:
+                planner.log_fallback_once(reason)
+                record.fallback, width = reason, 0
+        if self.placement == PLACEMENT_WORKER:
+            fut = self._transfer_thread.submit(self._run_worker_placement, key, blocks, skip_first_n_tokens,
+                                               width, gate)
+            inflight = _InFlight(request_id, blocks, fut, gate, None, width, record)
+        else:
+            slot = self.pool.acquire() if width > 0 else None
+            if width > 0 and slot is None:
+                record.fallback, width = "arrival pool exhausted", 0
+            fut = self.client.retrieve_async(
+                key, self.instance_id, blocks, skip_first_n_tokens=skip_first_n_tokens,
+                arrival_board=slot.board_ref() if slot else None,
+                layer_event_handles=slot.handles if slot else None, layers_per_stage=width)
+            inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record)
+            if slot is not None:
+                inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
+        with self._lock:
+            self._inflight[request_id] = inflight
+            self.records[request_id] = record
+
+    def _refresh_from_board(self, inf: _InFlight) -> None:
+        """Turn board progress into gate slices; the count is published after the events were recorded."""
+        progress = inf.slot.progress()
+        if progress.failed:
+            inf.gate.fail("the server reported the retrieve failed")
+            return
+        landed = progress.layers
+        width = inf.width or self.layout.num_layers
+        while inf._board_seen < landed:
+            start = inf._board_seen
+            count = min(width, landed - start, self.layout.num_layers - start)
+            inf.gate.record_slice(start, count, inf.slot.events[start])
+            inf._board_seen = start + count
+
+    # --- worker placement ------------------------------------------------------------
+
+    def _map_l1_pool(self, pool: dict[str, Any]) -> torch.Tensor:
+        if self._l1_pool is None or self._l1_pool.name != pool["name"]:
+            seg = Segment.attach(pool["name"], int(pool["size"]), readonly=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only mapping: we never write through it
+                self._l1_tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
+            self._l1_pool = seg
+        return self._l1_tensor
+
+    def _run_worker_placement(self, key: CacheKey, blocks: list[list[int]], skip: int, width: int,
+                              gate: LayerArrivalGate) -> dict[str, Any]:
+        request_id = key.request_id
+        try:
+            reply = self.client.transport.wait(
+                self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip),
+                timeout=self.retrieve_timeout)
+            pool = self._map_l1_pool(reply["pool"])
+            kv, layers, heads, hb = self.layout.shape_signature()
+            objects = [pool[o:o + nb].view(kv, layers, t, heads, hb) for o, nb, t in reply["objects"]]
+            copies = planner.plan_copies([t for _, _, t in reply["objects"]], self.chunk_size, 0, skip)
+            job = planner.TransferJob(self.layout, blocks, copies)
+            from kvstrata.native.reference import ReferenceExecutor
+
+            executor = ReferenceExecutor(self.local_regions, objects)
+            planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c))
+            return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
+        except BaseException as exc:
+            gate.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            try:
+                self.client.transport.submit(RequestType.FREE_LOOKUP_LOCKS, [request_id])
+            except Exception:  # the server being gone is reported by the retrieve itself
+                pass
+
+    # --- engine side -----------------------------------------------------------------
+
+    def get_finished(self) -> list[str]:
+        """Request ids that may go back to the engine now (first slice landed, or transfer done).
+
+        Also collects completed transfers: frees their slots and records failures.
+        """
+        released = []
+        with self._lock:
+            for inf in list(self._inflight.values()):
+                if not inf.released and inf.refresh is not None:
+                    inf.refresh()
+                ready = inf.gate.release_ready()
+                self._collect(inf)
+                if not inf.released and (ready or inf.settled):
+                    # A failed retrieve is released too: the engine must get the request
+                    # back, with its blocks in take_failed(), rather than wait forever.
+                    inf.released = True
+                    inf.record.released_at = time.perf_counter()
+                    inf.record.released_before_complete = not inf.settled
+                    released.append(inf.request_id)
+                if inf.settled and inf.released:
+                    self._inflight.pop(inf.request_id, None)
+        return released
+
+    def _collect(self, inf: _InFlight) -> None:
+        """If the transfer finished, settle it: success completes the gate, failure marks blocks."""
+        if inf.settled:
+            return
+        fut = inf.future
+        if not fut.done():
+            if time.perf_counter() - inf.record.submitted_at > self.retrieve_timeout:
+                self._fail(inf, f"no reply within the {self.retrieve_timeout:.0f}s retrieve timeout")
+                self._settle(inf)
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(inf, f"{type(exc).__name__}: {exc}")
+        else:
+            reply = fut.result()
+            if reply.get("fallback"):
+                inf.record.fallback = reply["fallback"]
+            if inf.refresh is not None:
+                inf.refresh()
+            if not inf.gate.complete and not inf.gate.failure:
+                # chunk-major: one slice, complete now that the reply is here
+                inf.gate.record_slice(inf.gate.arrived_layers, self.layout.num_layers - inf.gate.arrived_layers)
+            inf.record.completed_at = time.perf_counter()
+        self._settle(inf)
+
+    def _settle(self, inf: _InFlight) -> None:
+        inf.settled = True
+        if inf.slot is not None:
+            if inf.future.done():
+                self.pool.release(inf.slot)
+            else:
+                # The server may still write this slot late; a reused slot must never see
+                # that, so it stays out of the pool (a dead server writes nothing anyway).
+                log.warning("arrival slot %d quarantined: its retrieve never answered", inf.slot.index)
+            inf.slot = None
+            inf.refresh = None
+        if inf.released:
+            self._inflight.pop(inf.request_id, None)
+
+    def _fail(self, inf: _InFlight, reason: str) -> None:
+        if inf.failed:
+            return
+        inf.failed = True
+        inf.record.failure = reason
+        inf.gate.fail(reason)
+        self._failed[inf.request_id] = (inf.block_ids, reason)
+        log.error("retrieve for request %s failed: %s; its %d blocks are reported for recompute",
+                  inf.request_id, reason, sum(len(g) for g in inf.block_ids))
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Block until every released, in-flight retrieve has ``layer`` (bounded; failures are reported)."""
+        with self._lock:
+            waiting = [i for i in self._inflight.values() if i.released and not i.failed]
+        for inf in waiting:
+            try:
+                if inf.gate.wait_for_layer(layer, self.layer_wait_timeout, refresh=inf.refresh,
+                                           on_completion=self._event_backend.wait):
+                    inf.record.layer_waits += 1
+            except (LayerWaitTimeout, TransferFailed) as exc:
+                with self._lock:
+                    self._fail(inf, f"layer {layer}: {exc}")
+        with self._lock:
+            for inf in waiting:
+                self._collect(inf)
+
+    def draining(self) -> set[str]:
+        """Released requests whose transfer has not finished yet."""
+        with self._lock:
+            return {i.request_id for i in self._inflight.values() if i.released and not i.future.done()}
+
+    def in_flight(self) -> set[str]:
+        with self._lock:
+            return set(self._inflight)
+
+    def future_of(self, request_id: str) -> Future | None:
+        with self._lock:
+            inf = self._inflight.get(request_id)
+            return inf.future if inf else None
+
+    def take_failed(self) -> dict[str, tuple[list[list[int]], str]]:
+        """Failed retrieves since the last call: request id -> (block ids, reason)."""
+        with self._lock:
+            out, self._failed = self._failed, {}
+            return out
+
+    def wait_all(self, timeout: float = 30.0) -> None:
+        """Block until every in-flight retrieve settled (used at shutdown and in tests)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight() and time.monotonic() < deadline:
+            self.get_finished()
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if self._transfer_thread is not None:
+            self._transfer_thread.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
+        self._l1_tensor = None
+        if self._l1_pool is not None:
+            self._l1_pool.close()
