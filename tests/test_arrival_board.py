@@ -1,0 +1,97 @@
+"""The arrival board across real processes: many updates, generations on slot reuse, failure state."""
+
+import multiprocessing as mp
+
+import pytest
+
+from kvstrata.core.arrival_board import ArrivalBoard, NO_PROGRESS, SLOT_BYTES
+from kvstrata.core.arrival_pool import ArrivalPool
+from kvstrata.core.events import HostEventBackend
+
+
+def _writer(name: str, plan: list[tuple[int, int, int, bool]]) -> None:
+    board = ArrivalBoard.attach(name)
+    for slot, generation, layers, fail in plan:
+        if fail:
+            board.fail(slot, generation, layers)
+        else:
+            board.publish(slot, generation, layers, complete=False)
+    board.close()
+
+
+def _monotonic_writer(name: str, slot: int, generation: int, layers: int, rounds: int) -> None:
+    board = ArrivalBoard.attach(name)
+    for _ in range(rounds):
+        for n in range(1, layers + 1):
+            board.publish(slot, generation, n, complete=n == layers)
+    board.close()
+
+
+def test_slots_sit_on_their_own_cache_lines():
+    board = ArrivalBoard.create(4)
+    try:
+        assert SLOT_BYTES == 64 and board.segment.size == 4 * 64
+    finally:
+        board.destroy()
+
+
+def test_a_reader_sees_monotonic_progress_from_another_process():
+    ctx = mp.get_context("spawn")
+    board = ArrivalBoard.create(8)
+    try:
+        procs = [ctx.Process(target=_monotonic_writer, args=(board.name, s, 7, 32, 200)) for s in range(4)]
+        for p in procs:
+            p.start()
+        last = [0] * 4
+        reads = 0
+        while any(p.is_alive() for p in procs):
+            for s in range(4):
+                prog = board.read(s, 7)
+                assert 0 <= prog.layers <= 32
+                reads += 1
+            # other generations never leak in
+            assert board.read(0, 6) == NO_PROGRESS
+        for p in procs:
+            p.join()
+            assert p.exitcode == 0
+        for s in range(4):
+            final = board.read(s, 7)
+            assert final.layers == 32 and final.complete and not final.failed
+        assert reads > 0
+        assert all(board.read(s, 7) == NO_PROGRESS for s in range(4, 8))
+    finally:
+        board.destroy()
+
+
+def test_slot_reuse_with_generations_and_failure_cross_process():
+    ctx = mp.get_context("spawn")
+    pool = ArrivalPool(1, 32, HostEventBackend())
+    try:
+        first = pool.acquire()
+        assert first.generation == 1
+        p = ctx.Process(target=_writer, args=(pool.board.name, [(first.index, first.generation, 32, False)]))
+        p.start(); p.join()
+        assert first.progress().layers == 32
+        assert pool.acquire() is None  # exhausted
+        pool.release(first)
+        second = pool.acquire()
+        assert second is first and second.generation == 2
+        # the previous retrieve's 32 layers must not count for this one
+        assert second.progress() == NO_PROGRESS
+        p = ctx.Process(target=_writer, args=(pool.board.name, [(second.index, 2, 3, False), (second.index, 2, 3, True)]))
+        p.start(); p.join()
+        prog = second.progress()
+        assert prog.failed and prog.layers == 3
+    finally:
+        pool.close()
+
+
+def test_board_attach_rejects_bad_segments_and_slots():
+    board = ArrivalBoard.create(2)
+    try:
+        with pytest.raises(IndexError, match="has 2 slots, slot 5 asked"):
+            board.publish(5, 1, 1)
+        with pytest.raises(FileNotFoundError):
+            ArrivalBoard.attach("kvstrata-board-does-not-exist")
+    finally:
+        board.destroy()

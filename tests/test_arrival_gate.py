@@ -1,0 +1,95 @@
+"""LayerArrivalGate with no server and no GPU: release policy, per-slice waits, failure, bounded waits."""
+
+import threading
+import time
+
+import pytest
+
+from kvstrata.core.arrival_gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
+
+
+def test_releases_after_the_first_layer_by_default():
+    g = LayerArrivalGate(32)
+    assert not g.release_ready()
+    g.record_slice(0, 1)
+    assert g.release_ready()
+
+
+def test_release_policy_counts_contiguous_layers_from_zero():
+    g = LayerArrivalGate(8, release_after_layers=2)
+    g.record_slice(1, 1)  # a later layer first does not count
+    assert not g.release_ready() and g.arrived_layers == 0
+    g.record_slice(0, 1)
+    assert g.release_ready() and g.arrived_layers == 2
+
+
+def test_release_after_more_layers_than_exist_means_all_layers():
+    g = LayerArrivalGate(2, release_after_layers=5)
+    g.record_slice(0, 1)
+    assert not g.release_ready()
+    g.record_slice(1, 1)
+    assert g.release_ready() and g.complete
+
+
+def test_a_slice_of_n_layers_costs_one_wait():
+    g = LayerArrivalGate(32)
+    handed = []
+    for start in range(0, 32, 8):
+        g.record_slice(start, 8, completion=f"event@{start}")
+    for layer in range(32):
+        g.wait_for_layer(layer, timeout=1.0, on_completion=handed.append)
+    assert handed == ["event@0", "event@8", "event@16", "event@24"]
+
+
+def test_wait_blocks_until_another_thread_records_the_slice():
+    g = LayerArrivalGate(4)
+    got = []
+
+    def transfer():
+        for layer in range(4):
+            time.sleep(0.02)
+            g.record_slice(layer, 1, completion=layer)
+
+    t = threading.Thread(target=transfer)
+    t.start()
+    start = time.monotonic()
+    for layer in range(4):
+        g.wait_for_layer(layer, timeout=5.0, on_completion=got.append)
+    t.join()
+    assert got == [0, 1, 2, 3]
+    assert time.monotonic() - start >= 0.07
+
+
+def test_wait_is_bounded_and_failure_is_raised():
+    g = LayerArrivalGate(4)
+    g.record_slice(0, 1)
+    start = time.monotonic()
+    with pytest.raises(LayerWaitTimeout, match="layer 1 did not arrive within 0.100s .1 of 4 layers landed"):
+        g.wait_for_layer(1, timeout=0.1)
+    assert time.monotonic() - start < 1.0
+    g.fail("server died")
+    with pytest.raises(TransferFailed, match="server died"):
+        g.wait_for_layer(2, timeout=5.0)
+    # what did land is still usable
+    assert g.wait_for_layer(0, timeout=0.1) is True
+
+
+def test_refresh_is_polled_while_waiting():
+    g = LayerArrivalGate(2)
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        if len(calls) == 3:
+            g.record_slice(0, 2)
+
+    assert g.wait_for_layer(1, timeout=2.0, refresh=refresh) is True
+    assert len(calls) == 3
+
+
+def test_rejects_slices_outside_the_layer_range():
+    g = LayerArrivalGate(4)
+    with pytest.raises(ValueError, match="outside 4 layers"):
+        g.record_slice(3, 2)
+    with pytest.raises(ValueError):
+        LayerArrivalGate(4, release_after_layers=0)

@@ -1,0 +1,75 @@
+"""Layer-major retrieve and first-slice release through a real server, both placements (CPU)."""
+
+import pytest
+
+from kvstrata.core.client import CacheClient
+from kvstrata.core.keys import CacheKey
+from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
+from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.core.worker import LayerwiseWorker
+
+from helpers import SMALL_32, engine_loop, random_prompt, store_prompt
+
+WIDTHS = [1, 2, 3, 8, 32]
+
+
+@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_WORKER])
+def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
+    tokens = 160
+    engine = ReferenceEngine(SMALL_32, num_blocks=(len(WIDTHS) + 2) * 10 + 4, block_size=16)
+    worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
+    try:
+        worker.register()
+        prompt = random_prompt(tokens)
+        store_prompt(client, engine, prompt)
+        results = {}
+        for width in [0] + WIDTHS:
+            rid = f"w{width}"
+            key = CacheKey.for_tokens(rid, prompt, model="m")
+            assert client.lookup(key) == tokens
+            dst = engine.allocate(tokens)  # each width lands in its own destination range
+            engine.clear(dst)
+            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            engine_loop(worker, rid, SMALL_32.num_layers)
+            rec = worker.records[rid]
+            assert rec.failure is None and rec.fallback is None, rec
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], f"width {width}"
+            results[width] = [engine.read_layer(l, dst, 0, tokens) for l in range(SMALL_32.num_layers)]
+        for width in WIDTHS:  # the knob changes when bytes arrive, not which
+            for layer in range(SMALL_32.num_layers):
+                assert results[width][layer].equal(results[0][layer]), (width, layer)
+        assert client.server_info()["l1"]["locked_objects"] == 0
+    finally:
+        worker.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_WORKER])
+def test_request_is_released_while_its_transfer_is_still_in_flight(placement):
+    tokens = 1024  # 128 MiB at Llama-8B shapes: long enough on CPU that release comes first
+    with ServerProcess(l1_bytes=192 << 20, chunk_size=256) as srv:
+        client = CacheClient(srv.address)
+        engine = ReferenceEngine(LLAMA_8B, num_blocks=2 * tokens // 16 + 2, block_size=16)
+        worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
+        try:
+            worker.register()
+            prompt = random_prompt(tokens, seed=1)
+            store_prompt(client, engine, prompt)
+            key = CacheKey.for_tokens("big", prompt, model="m")
+            assert client.lookup(key) == tokens
+            dst = engine.allocate(tokens)
+            engine.clear(dst)
+            worker.submit_retrieve("big", key, [dst], layers_per_stage=1)
+            at_release = engine_loop(worker, "big", LLAMA_8B.num_layers)
+            assert at_release == {"future_done": False, "draining": True}
+            rec = worker.records["big"]
+            assert rec.released_before_complete is True
+            assert rec.released_at < rec.completed_at
+            assert rec.layer_waits >= 1
+            assert rec.failure is None
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
+        finally:
+            worker.close()
+            engine.close()
+            client.close()

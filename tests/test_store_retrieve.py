@@ -1,0 +1,194 @@
+"""STORE then RETRIEVE through a real server process, byte for byte (CPU, chunk-major)."""
+
+import pytest
+import torch
+
+from kvstrata.core.keys import CacheKey
+from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+from kvstrata.core.transport import RemoteError
+
+CHUNK = 64  # the `server` fixture's chunk size
+
+
+def make_engine(client, shape, num_blocks=64, block_size=16, instance_id=0):
+    engine = ReferenceEngine(shape, num_blocks=num_blocks, block_size=block_size)
+    client.register_kv_cache(instance_id, engine.layout, "server")
+    return engine
+
+
+def store_prompt(client, engine, prompt, rid="store"):
+    blocks = engine.allocate(len(prompt))
+    engine.prefill(prompt, blocks)
+    reply = client.store(CacheKey.for_tokens(rid, prompt, model="m"), 0, [blocks])
+    engine.clear(blocks)
+    engine.free(blocks)
+    return reply
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kv_size", [2, 1], ids=["kv2", "mla"])
+def test_store_then_retrieve_into_other_blocks_is_byte_exact(client, dtype, kv_size):
+    shape = ModelShape(num_layers=4, kv_size=kv_size, num_heads=2, head_size=16, dtype=dtype)
+    engine = make_engine(client, shape)
+    try:
+        prompt = torch.randint(0, 1000, (200,)).tolist()  # 3 full chunks + a partial one
+        assert store_prompt(client, engine, prompt)["stored_tokens"] == 200
+        key = CacheKey.for_tokens("r1", prompt, model="m")
+        assert client.lookup(key) == 200
+        dst = engine.allocate(200)
+        reply = client.retrieve(key, 0, [dst])
+        assert reply["retrieved_tokens"] == 200
+        assert engine.mismatched_layers(prompt, dst, 0, 200) == []
+    finally:
+        engine.close()
+
+
+def test_retrieve_with_skip_first_n_tokens_leaves_those_tokens_alone(client):
+    shape = ModelShape(num_layers=3, num_heads=2, head_size=8, dtype="bfloat16")
+    engine = make_engine(client, shape)
+    try:
+        prompt = torch.randint(0, 1000, (192,)).tolist()
+        store_prompt(client, engine, prompt)
+        key = CacheKey.for_tokens("r", prompt, model="m")
+        assert client.lookup(key) == 192
+        dst = engine.allocate(192)
+        skip = 80  # not chunk-aligned on purpose: chunk 1 contributes only its tail
+        engine.prefill([0] * 192, dst)  # sentinel content, must survive below `skip`
+        reply = client.retrieve(key, 0, [dst], skip_first_n_tokens=skip)
+        assert reply["retrieved_tokens"] == 192 - skip
+        assert engine.mismatched_layers(prompt, dst, skip, 192) == []
+        assert engine.mismatched_layers([0] * 192, dst, 0, skip) == []
+    finally:
+        engine.close()
+
+
+def test_partial_hit_on_a_prompt_sharing_a_prefix(client):
+    shape = ModelShape(num_layers=2, num_heads=2, head_size=8, dtype="float32")
+    engine = make_engine(client, shape)
+    try:
+        prompt = torch.randint(0, 1000, (256,)).tolist()
+        store_prompt(client, engine, prompt)
+        other = prompt[:150] + torch.randint(0, 1000, (100,)).tolist()
+        key = CacheKey.for_tokens("r", other, model="m")
+        hit = client.lookup(key)
+        assert hit == 128  # two whole shared chunks; chunk 2 differs after token 150
+        dst = engine.allocate(hit)
+        client.retrieve(CacheKey.for_tokens("r", other[:hit], model="m"), 0, [dst])
+        assert engine.mismatched_layers(other, dst, 0, hit) == []
+        # a different model name or salt never hits
+        assert client.lookup(CacheKey.for_tokens("r2", prompt, model="other")) == 0
+        assert client.lookup(CacheKey.for_tokens("r3", prompt, model="m", salt="tenant-b")) == 0
+        client.free_lookup_locks("r")
+    finally:
+        engine.close()
+
+
+def _locked(client):
+    return client.server_info()["l1"]["locked_objects"]
+
+
+@pytest.mark.parametrize("release", ["retrieve", "free_lookup_locks", "end_session"])
+def test_lookup_locks_are_released(client, release):
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
+    engine = make_engine(client, shape)
+    try:
+        prompt = list(range(128))
+        store_prompt(client, engine, prompt)
+        key = CacheKey.for_tokens("locker", prompt, model="m")
+        assert client.lookup(key) == 128
+        assert _locked(client) == 2
+        if release == "retrieve":
+            client.retrieve(key, 0, [engine.allocate(128)])
+        elif release == "free_lookup_locks":
+            assert client.free_lookup_locks("locker") == 2
+        else:
+            assert client.end_session("locker") == 2
+        assert _locked(client) == 0
+    finally:
+        engine.close()
+
+
+def test_retrieve_without_lookup_is_refused_and_failed_retrieve_releases_locks(client):
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
+    engine = make_engine(client, shape)
+    try:
+        prompt = list(range(64))
+        store_prompt(client, engine, prompt)
+        with pytest.raises(RemoteError, match="RETRIEVE: .*not locked for request"):
+            client.retrieve(CacheKey.for_tokens("nolookup", prompt, model="m"), 0, [[0, 1, 2, 3]])
+        key = CacheKey.for_tokens("bad-blocks", prompt, model="m")
+        client.lookup(key)
+        with pytest.raises(RemoteError, match=r"block ids \[9999\] are outside"):
+            client.retrieve(key, 0, [[9999, 1, 2, 3]])
+        assert _locked(client) == 0
+        with pytest.raises(RemoteError, match="instance 7 is not registered"):
+            client.retrieve(key, 7, [[0]])
+    finally:
+        engine.close()
+
+
+def test_eviction_under_a_full_pool_keeps_locked_chunks(server):
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")  # 1 KiB/token
+    obj = 64 * shape.kv_bytes_per_token()  # 128 KiB per chunk
+    with ServerProcess(l1_bytes=4 * obj, chunk_size=64) as small:
+        client = CacheClient(small.address)
+        engine = make_engine(client, shape)
+        try:
+            prompts = [[p * 1000 + i for i in range(64)] for p in range(6)]
+            store_prompt(client, engine, prompts[0])
+            assert client.lookup(CacheKey.for_tokens("holder", prompts[0], model="m")) == 64  # lock it
+            for p in prompts[1:]:
+                store_prompt(client, engine, p)  # pool holds 4: evicts LRU unlocked ones
+            stats = client.server_info()["l1"]
+            assert stats["evictions"] >= 2
+            # the locked chunk survived; the oldest unlocked ones did not
+            assert client.lookup(CacheKey.for_tokens("probe0", prompts[0], model="m")) == 64
+            assert client.lookup(CacheKey.for_tokens("probe1", prompts[1], model="m")) == 0
+            dst = engine.allocate(64)
+            client.retrieve(CacheKey.for_tokens("holder", prompts[0], model="m"), 0, [dst])
+            assert engine.mismatched_layers(prompts[0], dst, 0, 64) == []
+        finally:
+            engine.close()
+            client.close()
+
+
+def test_full_pool_of_locked_chunks_rejects_store_and_keeps_serving():
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")
+    obj = 64 * shape.kv_bytes_per_token()
+    with ServerProcess(l1_bytes=2 * obj, chunk_size=64) as small:
+        client = CacheClient(small.address)
+        engine = make_engine(client, shape)
+        try:
+            a, b, c = ([p * 1000 + i for i in range(64)] for p in range(3))
+            store_prompt(client, engine, a)
+            store_prompt(client, engine, b)
+            client.lookup(CacheKey.for_tokens("ha", a, model="m"))
+            client.lookup(CacheKey.for_tokens("hb", b, model="m"))
+            with pytest.raises(RemoteError, match="STORE: L1 pool full"):
+                store_prompt(client, engine, c)
+            assert client.ping() == "pong"
+            dst = engine.allocate(64)
+            client.retrieve(CacheKey.for_tokens("ha", a, model="m"), 0, [dst])
+            assert engine.mismatched_layers(a, dst, 0, 64) == []  # nothing was corrupted
+        finally:
+            engine.close()
+            client.close()
+
+
+def test_store_skips_chunks_already_stored(client):
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
+    engine = make_engine(client, shape)
+    try:
+        prompt = list(range(128))
+        assert store_prompt(client, engine, prompt)["stored_tokens"] == 128
+        longer = prompt + list(range(500, 564))
+        reply = store_prompt(client, engine, longer)
+        assert reply == {"stored_tokens": 64, "skipped_tokens": 128}
+    finally:
+        engine.close()
