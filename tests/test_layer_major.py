@@ -73,3 +73,44 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement):
             worker.close()
             engine.close()
             client.close()
+
+
+def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(client, caplog):
+    import dataclasses
+    import logging
+
+    from kvstrata.core.arrival_board import ArrivalBoard
+
+    caplog.set_level(logging.WARNING, logger="kvstrata")
+    tokens = 64
+    engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
+    hybrid = dataclasses.replace(engine.layout, layer_groups=(tuple(range(16)), tuple(range(16, 32))))
+    board = ArrivalBoard.create(1)
+    worker = LayerwiseWorker(client, 0, hybrid)
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=6)
+        blocks = engine.allocate(tokens)
+        engine.prefill(prompt, blocks)
+        client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [blocks, blocks])
+        engine.clear(blocks)
+        # the server, asked directly for layer-major, degrades and says why
+        key = CacheKey.for_tokens("direct", prompt, model="m")
+        client.lookup(key)
+        reply = client.retrieve(key, 0, [blocks, blocks], arrival_board={"name": board.name, "slot": 0, "generation": 1},
+                                layers_per_stage=1)
+        assert reply["layers_per_stage"] == 0 and "hybrid" in reply["fallback"]
+        assert board.read(0, 1).complete
+        assert engine.mismatched_layers(prompt, blocks, 0, tokens) == []
+        # the worker decides the same before sending, and logs it once
+        for rid in ("h1", "h2"):
+            key = CacheKey.for_tokens(rid, prompt, model="m")
+            client.lookup(key)
+            worker.submit_retrieve(rid, key, [blocks, blocks], layers_per_stage=2)
+            engine_loop(worker, rid, 32)
+            assert "hybrid" in worker.records[rid].fallback
+        assert sum("falls back to chunk-major" in r.message for r in caplog.records) == 1
+    finally:
+        worker.close()
+        board.destroy()
+        engine.close()

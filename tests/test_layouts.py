@@ -1,0 +1,92 @@
+"""Every engine format reduces to the strided layout: checked against the engine's own tensor indexing."""
+
+import pytest
+import torch
+
+from kvstrata.core import planner
+from kvstrata.core.layouts import (
+    LayoutError, PagedKVLayout, Region, blocks_layout, sglang_layout, trtllm_pool_layout, vllm_layout,
+)
+from kvstrata.native.reference import ReferenceExecutor
+
+L, NB, BS, H, HD = 3, 6, 4, 2, 8
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def _scatter(layout, regions, tokens=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    obj = torch.randint(0, 255, layout.object_shape(tokens), dtype=torch.uint8, generator=g)
+    block_ids = [[4, 1, 5]]
+    job = planner.TransferJob(layout, block_ids, planner.plan_copies([tokens], 16, 0, 0))
+    ReferenceExecutor(regions, [obj]).scatter(job, 0, 0)
+    # compare as int16, not bf16: random bytes include NaNs, which never compare equal
+    typed = obj.view(layout.kv_size, layout.num_layers, tokens, H, HD * 2).view(torch.int16)
+    return typed, block_ids[0]
+
+
+def _slots(blocks, tokens):
+    return [(blocks[t // BS], t % BS) for t in range(tokens)]
+
+
+@pytest.mark.parametrize("physical", ["LBNHC", "LBHNC"])
+def test_vllm_per_layer_views(physical):
+    shape = (L, NB, BS, H, 2 * HD) if physical == "LBNHC" else (L, NB, H, BS, 2 * HD)
+    cache = torch.zeros(shape, dtype=torch.int16)
+    layout = vllm_layout(num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_size=HD, dtype="bfloat16",
+                         region=Region("local", cache.numel() * 2), physical=physical)
+    typed, blocks = _scatter(layout, [_bytes(cache)])
+    for t, (b, o) in enumerate(_slots(blocks, 10)):
+        for l in range(L):
+            row = cache[l, b, o] if physical == "LBNHC" else cache[l, b, :, o]  # [H, 2*HD]
+            assert torch.equal(row[:, :HD], typed[0, l, t]) and torch.equal(row[:, HD:], typed[1, l, t])
+
+
+def test_sglang_token_slot_buffers_and_mla():
+    k = [torch.zeros(NB * BS, H, HD, dtype=torch.int16) for _ in range(L)]
+    v = [torch.zeros(NB * BS, H, HD, dtype=torch.int16) for _ in range(L)]
+    regions = [_bytes(t) for t in k + v]
+    layout = sglang_layout(num_layers=L, num_slots=NB * BS, page_size=BS, num_heads=H, head_size=HD,
+                           dtype="bfloat16", k_regions=[Region("local", t.numel() * 2) for t in k],
+                           v_regions=[Region("local", t.numel() * 2) for t in v])
+    typed, blocks = _scatter(layout, regions)
+    for t, (b, o) in enumerate(_slots(blocks, 10)):
+        for l in range(L):
+            assert torch.equal(k[l][b * BS + o], typed[0, l, t]) and torch.equal(v[l][b * BS + o], typed[1, l, t])
+    mla = sglang_layout(num_layers=L, num_slots=NB * BS, page_size=BS, num_heads=H, head_size=HD,
+                        dtype="bfloat16", k_regions=[Region("local", t.numel() * 2) for t in k], v_regions=None)
+    assert mla.kv_size == 1 and mla.object_shape(4)[0] == 1
+
+
+def test_trtllm_block_major_pool():
+    pool = torch.zeros(NB, L, 2, H, BS, HD, dtype=torch.int16)  # HND inside a block
+    layout = trtllm_pool_layout(num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_size=HD,
+                                dtype="bfloat16", region=Region("local", pool.numel() * 2))
+    typed, blocks = _scatter(layout, [_bytes(pool)])
+    for t, (b, o) in enumerate(_slots(blocks, 10)):
+        for l in range(L):
+            assert torch.equal(pool[b, l, 0, :, o], typed[0, l, t]) and torch.equal(pool[b, l, 1, :, o], typed[1, l, t])
+
+
+def test_blocks_layout_round_trips_through_the_wire():
+    layout = blocks_layout(num_layers=L, kv_size=2, num_blocks=NB, block_size=BS, num_heads=H, head_size=HD,
+                           dtype="bfloat16", region=Region("shm", L * 2 * NB * BS * H * HD * 2, "seg"))
+    assert PagedKVLayout.from_wire(layout.to_wire("server")) == layout
+
+
+def test_inconsistent_descriptors_are_rejected_with_the_reason():
+    good = blocks_layout(num_layers=L, kv_size=2, num_blocks=NB, block_size=BS, num_heads=H, head_size=HD,
+                         dtype="bfloat16", region=Region("shm", L * 2 * NB * BS * H * HD * 2, "seg")).to_wire("server")
+    with pytest.raises(LayoutError, match="past region 0"):
+        PagedKVLayout.from_wire({**good, "regions": [{"kind": "shm", "size": 100, "name": "seg"}]})
+    with pytest.raises(LayoutError, match="dtype 'float64'"):
+        PagedKVLayout.from_wire({**good, "dtype": "float64"})
+    with pytest.raises(LayoutError, match="kv_size must be 1 .MLA. or 2"):
+        PagedKVLayout.from_wire({**good, "kv_size": 3})
+    with pytest.raises(LayoutError, match="malformed KV cache descriptor"):
+        PagedKVLayout.from_wire({k: v for k, v in good.items() if k != "block_stride"})
+    with pytest.raises(LayoutError, match="unknown vLLM physical layout"):
+        vllm_layout(num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=1, dtype="float32",
+                    region=Region("local", 8), physical="NHD")
