@@ -157,25 +157,42 @@ class CacheServer:
         digests = ck.chunk_hashes(cs)
         inst.target.wait_for_engine(event_handle)
         stored = skipped = 0
-        for index, digest in enumerate(digests):
-            start = index * cs
-            count = min(cs, n - start)
-            if start + count <= skip_first_n_tokens:
-                skipped += count
-                continue
-            obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
-            if obj is None:
-                skipped += count
-                continue
-            try:
+        # Every chunk's gather is enqueued before one finish(): a device target then
+        # copies chunk after chunk back to back instead of idling between them.
+        pending: list[tuple[StoredObject, int]] = []
+        full: StoreFull | None = None
+        try:
+            for index, digest in enumerate(digests):
+                start = index * cs
+                count = min(cs, n - start)
+                if start + count <= skip_first_n_tokens:
+                    skipped += count
+                    continue
+                try:
+                    obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
+                except StoreFull as exc:
+                    full = exc  # keep what was gathered so far, as before, then report
+                    break
+                if obj is None:
+                    skipped += count
+                    continue
+                pending.append((obj, count))
                 job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
                 inst.target.executor([self.store.object_view(obj)]).gather(job)
-                inst.target.finish()
-            except BaseException:
+            inst.target.finish()
+        except BaseException:
+            try:
+                inst.target.finish()  # no copy may still write into memory handed back below
+            except Exception:
+                pass
+            for obj, _ in pending:
                 self.store.abandon(obj)
-                raise
+            raise
+        for obj, count in pending:
             self.store.commit(obj)
             stored += count
+        if full is not None:
+            raise full
         return {"stored_tokens": stored, "skipped_tokens": skipped}
 
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
