@@ -11,6 +11,24 @@ from .protocol import RequestType, chunk_major_retrieve_tail
 from .transport import Client
 
 
+def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
+                           skip_first_n_tokens: int = 0, event_handle: bytes | None = None,
+                           arrival_board: dict[str, Any] | None = None,
+                           layer_event_handles: list[bytes] | None = None, layers_per_stage: int = 0) -> list[Any]:
+    """The eight RETRIEVE items, in declaration order; ``(None, None, 0)`` as the tail when chunk-major.
+
+    One builder for every sender: :meth:`CacheClient.retrieve_async` and the
+    adapters' ``kvstrata_build_retrieve_payload`` hook both call it, so the
+    payload shape cannot drift between the core and an adapter.
+    """
+    if layers_per_stage == 0 and arrival_board is None and layer_event_handles is None:
+        tail = list(chunk_major_retrieve_tail())
+    else:
+        tail = [arrival_board, layer_event_handles, layers_per_stage]
+    return [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle,
+            skip_first_n_tokens, *tail]
+
+
 class CacheClient:
     def __init__(self, address: str, *, timeout: float = 30.0) -> None:
         self.transport = Client(address, default_timeout=timeout)
@@ -54,12 +72,9 @@ class CacheClient:
                        arrival_board: dict[str, Any] | None = None, layer_event_handles: list[bytes] | None = None,
                        layers_per_stage: int = 0) -> Future:
         """Send RETRIEVE: always eight items, ``(None, None, 0)`` as the tail when chunk-major."""
-        if layers_per_stage == 0 and arrival_board is None and layer_event_handles is None:
-            tail = list(chunk_major_retrieve_tail())
-        else:
-            tail = [arrival_board, layer_event_handles, layers_per_stage]
-        payload = [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle,
-                   skip_first_n_tokens, *tail]
+        payload = build_retrieve_payload(
+            key, instance_id, block_ids, skip_first_n_tokens=skip_first_n_tokens, event_handle=event_handle,
+            arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_stage=layers_per_stage)
         return self.transport.submit(RequestType.RETRIEVE, payload)
 
     def retrieve(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
