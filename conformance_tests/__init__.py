@@ -1,0 +1,16 @@
+"""The shared conformance suite every kvstrata engine adapter must pass.
+
+Run it against one adapter::
+
+    pytest --pyargs kvstrata.conformance_tests --adapter NAME
+    KVSTRATA_ADAPTER=NAME pytest --pyargs kvstrata.conformance_tests
+    tox -e conformance            # the reference adapter, from a kvstrata checkout
+
+NAME is an entry-point name in the ``kvstrata.adapters`` group (an installed
+adapter, yours or ours) or a module path ``pkg.module[:attribute]``. Each
+test drives the adapter only through its hooks (:mod:`kvstrata.core.hookspecs`)
+against a real ``kvstrata serve`` process, with a recording proxy on the
+socket in between, and a failure names the rule the adapter broke
+(``CONFORMANCE RULE <id> BROKEN: ...``; the rules are listed in
+:mod:`kvstrata.conformance_tests.rules`).
+"""

@@ -1,0 +1,43 @@
+"""The suite's command-line option, registered with pytest through the ``pytest11`` entry point.
+
+``pytest --pyargs kvstrata.conformance_tests`` loads the suite's conftest.py
+only once collection reaches the installed package, too late for pytest to
+accept an option declared there. So the one option lives in this small plugin,
+which pytest loads at start-up wherever kvstrata is installed; it imports
+nothing heavy and changes nothing unless the conformance suite is collected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ENV_VAR = "KVSTRATA_ADAPTER"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvstrata-conformance", "kvstrata adapter conformance (kvstrata.conformance_tests)")
+    group.addoption("--adapter", action="append", default=[], metavar="NAME",
+                    help="adapter to check: an entry-point name in group kvstrata.adapters or a module path "
+                         f"(pkg.module[:attr]); repeatable. Default: ${ENV_VAR} (comma-separated), else every "
+                         "installed adapter")
+
+
+def selected_adapters(config: pytest.Config) -> tuple[list[str], bool]:
+    """(adapter specs, whether they were named explicitly rather than discovered)."""
+    names = list(config.getoption("adapter", default=None) or [])
+    if not names:
+        names = [s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()]
+    if names:
+        return names, True
+    from kvstrata.core.plugins import discover
+
+    return sorted(discover()), False
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not (config.getoption("adapter", default=None) or os.environ.get(ENV_VAR)):
+        return None  # not a conformance run, or one over every installed adapter: nothing to announce
+    names, _ = selected_adapters(config)
+    return f"kvstrata conformance: adapters selected: {', '.join(names)}"

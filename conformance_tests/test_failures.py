@@ -1,0 +1,131 @@
+"""Rule "failure-reported": a dead or stalled server never hangs the engine, and the failure is reported.
+
+Every case ends the same way a deployment needs it to: the engine's per-layer
+wait returns within its bound, the request comes back to the engine, its
+blocks are reported through ``kvstrata_take_failed`` (so the engine recomputes
+them instead of reading KV that never arrived), a log line names the request,
+and the next retrieve works.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from kvstrata.core.hookspecs import WorkerOptions
+
+from .checks import catch_in_flight, check_wire_retrieve, read_every_layer
+from .rig import Retrieval, Rig
+from .rules import broken, require
+
+LAYER_WAIT = 1.0
+RETRIEVE_TIMEOUT = 4.0
+SLACK = 10.0
+
+
+def fast_failing(make_rig: Callable[..., Rig], retrieve_timeout: float = RETRIEVE_TIMEOUT) -> Rig:
+    return make_rig(options=WorkerOptions(layer_wait_timeout=LAYER_WAIT, retrieve_timeout=retrieve_timeout))
+
+
+def wait_reported(rig: Rig, r: Retrieval, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while r.request_id not in rig.failed and time.monotonic() < deadline:
+        rig.poll()
+        time.sleep(0.01)
+    require(r.request_id in rig.failed, "failure-reported",
+            f"{what}, and kvstrata_take_failed never reported request {r.request_id} within {within:.0f}s: the "
+            "engine would go on to read KV that never arrived")
+    blocks, reason = rig.failed[r.request_id]
+    require([list(g) for g in blocks] == r.blocks, "failure-reported",
+            f"request {r.request_id} was reported failed with blocks {blocks}, it was retrieving into {r.blocks}")
+    require(isinstance(reason, str) and reason, "failure-reported", "a failure was reported without a reason")
+
+
+def require_logged(warning_log: list[str], since: int, r: Retrieval, what: str) -> None:
+    require(any(r.request_id in line for line in warning_log[since:]), "failure-reported",
+            f"{what}, and no WARNING or ERROR log line names request {r.request_id}")
+
+
+def wait_bounded(rig: Rig, layer: int, what: str) -> None:
+    bound = LAYER_WAIT + SLACK
+    raised = None
+    try:
+        returned, took = rig.wait_for_layer(layer, bound)
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    if raised is not None:
+        broken("failure-reported", f"{what}, and kvstrata_wait_for_layer({layer}) raised {raised} into the "
+                                   "engine's thread instead of reporting the failure")
+    require(returned, "failure-reported",
+            f"{what}, and kvstrata_wait_for_layer({layer}) was still blocked after {bound:.0f}s "
+            f"(the worker's wait timeout is {LAYER_WAIT}s): the model runner would hang")
+
+
+def next_retrieve_works(rig: Rig, prompt: list[int], context: str) -> None:
+    r = rig.submit(prompt, width=1)
+    require(rig.wait_released(r, 20), "failure-reported", f"{context}, the next retrieve was never released")
+    read_every_layer(rig, r, f"({context}, the next retrieve)")
+    rig.settle()
+    check_wire_retrieve(rig, r, expect_width=1)
+    require(r.request_id not in rig.failed, "failure-reported",
+            f"{context}, the next retrieve failed too: {rig.failed.get(r.request_id)}")
+
+
+def test_server_killed_mid_transfer(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
+    rig = fast_failing(make_rig)
+    prompt = rig.prompt()
+    r, landed = catch_in_flight(rig, prompt, width=1)
+    mark = len(warning_log)
+    rig.kill_server()
+    what = f"the server was killed with {landed} of {rig.layout.num_layers} layers landed"
+    for layer in range(landed):
+        rig.check_layer(r, layer, "(landed before the server died)")
+    wait_bounded(rig, landed, what)
+    wait_reported(rig, r, RETRIEVE_TIMEOUT + SLACK, what)
+    require(r.request_id in rig.released, "failure-reported", f"{what}, and the request never came back")
+    require_logged(warning_log, mark, r, what)
+    rig.settle(RETRIEVE_TIMEOUT + SLACK)
+    rig.free(r)
+    rig.restart_server()
+    next_retrieve_works(rig, prompt, "after the server was killed mid-transfer and restarted")
+
+
+def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
+    rig = fast_failing(make_rig)
+    prompt = rig.prompt()
+    rig.store(prompt)
+    mark = len(warning_log)
+    r = rig.submit(prompt, width=1, before_send=rig.pause_server)
+    rig.kill_server()
+    what = "the server died before the first slice landed"
+    deadline = time.monotonic() + RETRIEVE_TIMEOUT + SLACK
+    while r.request_id not in rig.released and time.monotonic() < deadline:
+        rig.poll()
+        time.sleep(0.01)
+    require(r.request_id in rig.released, "failure-reported",
+            f"{what}, and the request was not given back to the engine within "
+            f"{RETRIEVE_TIMEOUT + SLACK:.0f}s (retrieve timeout {RETRIEVE_TIMEOUT}s): it would wait forever")
+    wait_reported(rig, r, SLACK, what)
+    require_logged(warning_log, mark, r, what)
+    wait_bounded(rig, 0, what)
+    rig.settle(SLACK)
+    rig.free(r)
+    rig.restart_server()
+    next_retrieve_works(rig, prompt, "after the server died and was restarted")
+
+
+def test_slot_that_never_advances(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
+    rig = fast_failing(make_rig, retrieve_timeout=60.0)
+    prompt = rig.prompt()
+    r, landed = catch_in_flight(rig, prompt, width=1)
+    mark = len(warning_log)
+    what = f"the server stopped advancing the arrival slot at {landed} of {rig.layout.num_layers} layers"
+    wait_bounded(rig, landed, what)
+    wait_reported(rig, r, SLACK, what)
+    require_logged(warning_log, mark, r, what)
+    # The server comes back and finishes late: the transfer settles, the slot returns, nothing hangs.
+    rig.resume_server()
+    rig.proxy.release_replies(r.request_id)
+    rig.settle()
+    rig.free(r)
+    next_retrieve_works(rig, prompt, "after a stalled retrieve")

@@ -1,0 +1,128 @@
+"""Rule "hooks" and "kv-layout": the adapter plugs in as the hook specification declares."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from kvstrata.core import hookspecs
+from kvstrata.core.hookspecs import ConformanceEngine, HarnessSpec, RetrieveRequest
+from kvstrata.core.keys import CacheKey
+from kvstrata.core.plugins import (
+    Adapter,
+    EnginePackageMissing,
+    HookSignatureError,
+    MissingHookError,
+    load_adapter,
+)
+from kvstrata.core.protocol import ProtocolError, RequestType, declaration
+
+from .rules import broken, require
+
+
+def test_adapter_loads_with_every_required_hook(adapter_spec: str, adapter_explicit: bool) -> None:
+    problem = None
+    try:
+        adapter = load_adapter(adapter_spec)
+    except EnginePackageMissing as exc:
+        if adapter_explicit:
+            raise
+        pytest.skip(str(exc))
+    except (MissingHookError, HookSignatureError) as exc:
+        problem = str(exc)
+    if problem is not None:
+        broken("hooks", problem)
+    missing = [h for h in hookspecs.REQUIRED_HOOKS if h not in adapter.implementations()]
+    require(not missing, "hooks", f"adapter {adapter.name!r} does not implement {missing}")
+
+
+def test_hook_implementations_match_their_specifications(adapter: Adapter) -> None:
+    for hook_name, impls in adapter.implementations().items():
+        spec = getattr(adapter.pm.hook, hook_name).spec
+        require(spec is not None, "hooks", f"{hook_name} is not a kvstrata hook (typo, or another version's hook?)")
+        for impl in impls:
+            extra = [a for a in impl.argnames if a not in spec.argnames]
+            require(not extra, "hooks",
+                    f"{hook_name} implementation takes {extra}, which the specification "
+                    f"({', '.join(spec.argnames)}) does not pass")
+            require(not impl.hookwrapper and not impl.wrapper, "hooks",
+                    f"{hook_name} is implemented as a wrapper; an adapter implements hooks, it does not wrap them")
+    source = adapter.source
+    if source.origin.startswith("entry point"):
+        require(adapter.info.name == source.name, "hooks",
+                f"kvstrata_adapter_info names the adapter {adapter.info.name!r} but its entry point is "
+                f"{source.name!r}; users select adapters by the entry-point name")
+
+
+def _protocol_methods() -> dict[str, inspect.Signature]:
+    out = {}
+    for name, member in vars(ConformanceEngine).items():
+        if callable(member) and not name.startswith("_"):
+            out[name] = inspect.signature(member)
+    return out
+
+
+def test_conformance_engine_has_the_declared_methods(adapter: Adapter) -> None:
+    engine = adapter.conformance_engine(HarnessSpec(num_blocks=64))
+    try:
+        for attr in ("kv_caches", "placement"):
+            require(hasattr(engine, attr), "hooks", f"the conformance engine has no {attr!r} attribute")
+        for name, declared in _protocol_methods().items():
+            method = getattr(engine, name, None)
+            require(callable(method), "hooks", f"the conformance engine has no method {name}{declared}")
+            want = [p.name for p in declared.parameters.values() if p.name != "self"]
+            got = [p.name for p in inspect.signature(method).parameters.values()
+                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            require(len(got) == len(want), "hooks",
+                    f"the conformance engine's {name} takes ({', '.join(got)}), the protocol declares "
+                    f"({', '.join(want)})")
+    finally:
+        engine.close()
+
+
+def _requests() -> list[tuple[str, RetrieveRequest]]:
+    key = CacheKey.for_tokens("conf-direct", [1, 2, 3, 4], model="conformance-model")
+    board = {"name": "kvstrata-board-x", "slot": 0, "generation": 1}
+    return [
+        ("chunk-major", RetrieveRequest(key, 0, [[0]])),
+        ("layer-major", RetrieveRequest(key, 0, [[0]], arrival_board=board, layers_per_stage=1)),
+        ("layer-major with events", RetrieveRequest(key, 0, [[0]], arrival_board=board,
+                                                    layer_event_handles=[b"\x00" * 64] * 4, layers_per_stage=2)),
+    ]
+
+
+@pytest.mark.parametrize("mode", [m for m, _ in _requests()])
+def test_payload_hook_builds_the_declared_items(adapter: Adapter, mode: str) -> None:
+    request = dict(_requests())[mode]
+    payload = adapter.hook.kvstrata_build_retrieve_payload(request=request)
+    problem = None
+    try:
+        declaration(RequestType.RETRIEVE).validate(payload)
+    except ProtocolError as exc:
+        problem = str(exc)
+    if problem is not None:
+        broken("retrieve-payload", f"kvstrata_build_retrieve_payload for a {mode} retrieve: {problem}")
+    tail = payload[5:]
+    if mode == "chunk-major":
+        require(tail == [None, None, 0], "retrieve-payload",
+                f"a chunk-major RETRIEVE must end with (None, None, 0), the hook built {tail!r}")
+    else:
+        require(tail == [request.arrival_board, request.layer_event_handles, request.layers_per_stage],
+                "retrieve-payload", f"a {mode} RETRIEVE must carry the board, the event handles and the width "
+                                    f"it was asked for, the hook built {tail!r}")
+
+
+def test_kv_layout_describes_the_engine_and_registers(rig) -> None:
+    layout, spec = rig.layout, rig.spec
+    require(layout.kv_size == spec.kv_size, "kv-layout", f"kv_size {layout.kv_size}, the engine has {spec.kv_size}")
+    require(layout.num_heads == spec.num_heads, "kv-layout",
+            f"num_heads {layout.num_heads}, the engine has {spec.num_heads}")
+    require(layout.block_size == spec.block_size, "kv-layout",
+            f"block_size {layout.block_size}, the engine has {spec.block_size}")
+    require(layout.head_bytes == spec.head_size * layout.element_size, "kv-layout",
+            f"head_bytes {layout.head_bytes} for head_size {spec.head_size} in {layout.dtype}")
+    require(layout.dtype == spec.dtype, "kv-layout", f"dtype {layout.dtype}, the engine has {spec.dtype}")
+    # Registration already happened on a real server (rig.start); it answered with its chunk size.
+    require(rig.worker.chunk_size == rig.chunk_size, "kv-layout",
+            f"the worker did not record the server's chunk size after REGISTER_KV_CACHE ({rig.worker.chunk_size})")

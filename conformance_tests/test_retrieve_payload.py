@@ -1,0 +1,33 @@
+"""Rule "retrieve-payload": what the adapter actually sends, caught on the wire by the recording proxy."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.core.protocol import ProtocolError
+
+from .checks import check_wire_retrieve, read_every_layer
+from .rig import Rig
+from .rules import broken, require
+
+WIDTHS = [0, 1, 3]
+"""Chunk-major, one layer per slice, and a width that does not divide the layer count."""
+
+
+@pytest.mark.parametrize("width", WIDTHS, ids=lambda w: "chunk-major" if w == 0 else f"layer-major-{w}")
+def test_retrieve_on_the_wire_has_the_declared_items(rig: Rig, width: int) -> None:
+    prompt = rig.prompt()
+    problem = None
+    try:
+        r = rig.submit(prompt, width)
+    except ProtocolError as exc:
+        problem = str(exc)
+    if problem is not None:
+        broken("retrieve-payload", f"the adapter could not send a {width=} retrieve: {problem}")
+    require(rig.wait_released(r, 20), "early-release",
+            f"request {r.request_id} ({width=}) was never released to the engine within 20s")
+    check_wire_retrieve(rig, r, expect_width=width, replied=False)
+    read_every_layer(rig, r, f"(width {width})")
+    rig.settle()
+    check_wire_retrieve(rig, r, expect_width=width)
+    require(not rig.failed, "failure-reported", f"a healthy retrieve was reported failed: {rig.failed}")
