@@ -274,6 +274,15 @@ class Client:
         self._outbox.send([frame])
         return fut
 
+    def send_oneway(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...]) -> None:
+        """Send a validated request whose reply nobody waits for (lock releases, session ends).
+
+        No future is kept, so a server that is down costs nothing that piles up.
+        """
+        payload = list(payload)
+        DECLARATIONS[request_type].validate(payload)
+        self._outbox.send([codec._pack([codec.WIRE_VERSION, next(self._ids), int(request_type), payload])])
+
     def send_raw(self, frame: bytes) -> None:
         """Send an arbitrary frame (for robustness tests); any reply is dropped unless it matches a future."""
         self._outbox.send([frame])

@@ -72,6 +72,8 @@ class _InFlight:
     released: bool = False
     failed: bool = False
     settled: bool = False
+    engine_done: bool = False
+    """The engine finished or aborted the request while this transfer was in flight."""
     refresh: Callable[[], None] | None = None
     _board_seen: int = field(default=0)
 
@@ -81,7 +83,7 @@ class LayerwiseWorker:
                  placement: str = PLACEMENT_SERVER, event_backend: EventBackend | None = None,
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
-                 retrieve_timeout: float = 120.0) -> None:
+                 retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -89,6 +91,11 @@ class LayerwiseWorker:
         self.client = client
         self.instance_id = instance_id
         self.layout = layout
+        self.registration_layout = registration_layout or layout
+        """What the server is told: the engine cache itself, or (worker placement) the staging
+        area it gathers STOREs from; either way it must share ``layout``'s shape signature."""
+        if self.registration_layout.shape_signature() != layout.shape_signature():
+            raise ValueError("registration_layout must hold the same (kv, layers, heads, head_bytes) as layout")
         self.placement = placement
         self._event_backend = event_backend or HostEventBackend()
         self.local_regions = list(local_regions) if local_regions is not None else None
@@ -99,6 +106,7 @@ class LayerwiseWorker:
             else None
         self._inflight: dict[str, _InFlight] = {}
         self._failed: dict[str, tuple[list[list[int]], str]] = {}
+        self._drained: set[str] = set()
         self.records: dict[str, RetrieveRecord] = {}
         self._lock = threading.RLock()
         self._transfer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-worker-transfer") \
@@ -120,7 +128,7 @@ class LayerwiseWorker:
     # --- registration ----------------------------------------------------------------
 
     def register(self) -> dict[str, Any]:
-        reply = self.client.register_kv_cache(self.instance_id, self.layout, self.placement)
+        reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.placement)
         self.chunk_size = int(reply["chunk_size"])
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
                  self.instance_id, self.client.address, self.placement, self.chunk_size)
@@ -188,6 +196,7 @@ class LayerwiseWorker:
                               gate: LayerArrivalGate) -> dict[str, Any]:
         request_id = key.request_id
         try:
+            self.layout.check_block_ids(blocks, key.num_tokens)
             reply = self.client.transport.wait(
                 self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip),
                 timeout=self.retrieve_timeout)
@@ -222,7 +231,9 @@ class LayerwiseWorker:
             for inf in list(self._inflight.values()):
                 if not inf.released and inf.refresh is not None:
                     inf.refresh()
-                ready = inf.gate.release_ready()
+                # A request the engine already gave up on goes back only once settled: the
+                # engine frees its blocks on that report, and a copy must not outlive them.
+                ready = inf.gate.release_ready() and not inf.engine_done
                 self._collect(inf)
                 if not inf.released and (ready or inf.settled):
                     # A failed retrieve is released too: the engine must get the request
@@ -262,6 +273,8 @@ class LayerwiseWorker:
 
     def _settle(self, inf: _InFlight) -> None:
         inf.settled = True
+        if inf.released and inf.engine_done:
+            self._drained.add(inf.request_id)
         if inf.slot is not None:
             if inf.future.done():
                 self.pool.release(inf.slot)
@@ -299,6 +312,61 @@ class LayerwiseWorker:
         with self._lock:
             for inf in waiting:
                 self._collect(inf)
+
+    def finish_request(self, request_id: str) -> str | None:
+        """The engine finished or aborted ``request_id``. Says how its transfer will be reported.
+
+        * ``None``: nothing in flight; the engine may free the blocks now.
+        * ``"recving"``: not released yet; :meth:`get_finished` reports it once the
+          transfer has settled (never at the first slice), and the engine frees
+          the blocks on that report.
+        * ``"draining"``: released and still copying; :meth:`take_drained` reports
+          it once settled, and only then may the engine free the blocks.
+        """
+        with self._lock:
+            inf = self._inflight.get(request_id)
+            if inf is None:
+                return None
+            inf.engine_done = True
+            if inf.settled:
+                if inf.released:
+                    self._inflight.pop(request_id, None)
+                    return None
+                return "recving"
+            return "draining" if inf.released else "recving"
+
+    def take_drained(self) -> set[str]:
+        """Finished requests whose in-flight transfer has now settled (see :meth:`finish_request`)."""
+        with self._lock:
+            self.get_finished_collect_only()
+            out, self._drained = self._drained, set()
+            return out
+
+    def get_finished_collect_only(self) -> None:
+        with self._lock:
+            for inf in list(self._inflight.values()):
+                self._collect(inf)
+                if inf.settled and inf.released:
+                    self._inflight.pop(inf.request_id, None)
+
+    def wait_settled(self, request_ids: set[str], timeout: float | None = None) -> None:
+        """Block until these requests' transfers settled (preemption: their blocks are about to go)."""
+        deadline = time.monotonic() + (self.layer_wait_timeout if timeout is None else timeout)
+        while True:
+            with self._lock:
+                pending = [self._inflight[r] for r in request_ids if r in self._inflight
+                           and not self._inflight[r].settled]
+                for inf in pending:
+                    self._collect(inf)
+                pending = [i for i in pending if not i.settled]
+                if not pending:
+                    return
+                if time.monotonic() > deadline:
+                    for inf in pending:
+                        self._fail(inf, "still copying when the engine needed its blocks back")
+                        self._settle(inf)
+                    return
+            time.sleep(0.0005)
 
     def draining(self) -> set[str]:
         """Released requests whose transfer has not finished yet."""

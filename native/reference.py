@@ -19,11 +19,13 @@ from kvstrata.core.planner import TransferJob
 def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: int, plane: int) -> torch.Tensor:
     """The ``[blocks, block_size, heads, head_bytes]`` uint8 view of one layer's K or V plane."""
     r, off = layout.offsets[layer][plane]
+    region = regions[r]
     return torch.as_strided(
-        regions[r],
+        region,
         (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes),
         (layout.block_stride, layout.token_stride, layout.head_stride, 1),
-        off,
+        # as_strided counts from the start of the storage, and a region may be a view into it
+        region.storage_offset() + off,
     )
 
 

@@ -90,3 +90,19 @@ def test_inconsistent_descriptors_are_rejected_with_the_reason():
     with pytest.raises(LayoutError, match="unknown vLLM physical layout"):
         vllm_layout(num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=1, dtype="float32",
                     region=Region("local", 8), physical="NHD")
+
+
+def test_regions_that_are_views_into_a_larger_buffer():
+    """vLLM hands per-layer views of one shared buffer: offsets count from the view, not the storage."""
+    from kvstrata.adapters.vllm.kv_layout import cpu_page_layout
+
+    buf = torch.arange(L * NB * H * BS * 4, dtype=torch.int32)
+    kv = {f"model.layers.{l}.self_attn.attn": buf.view(L, NB, H, BS, 4)[l] for l in range(L)}
+    layout, regions = cpu_page_layout(kv)
+    obj = torch.empty(layout.object_shape(2 * BS), dtype=torch.uint8)
+    job = planner.TransferJob(layout, [[3, 1]], planner.plan_copies([2 * BS], 2 * BS, 0, 0))
+    ReferenceExecutor(regions, [obj]).gather(job)
+    pages = buf.view(L, NB, -1)
+    for l in range(L):
+        got = obj[0, l].reshape(2, -1).view(torch.int32)
+        assert torch.equal(got[0], pages[l, 3]) and torch.equal(got[1], pages[l, 1]), l

@@ -1,0 +1,103 @@
+"""Describe vLLM's registered KV cache tensors as a kvstrata PagedKVLayout.
+
+vLLM (0.32 / 0.33) hands ``register_kv_caches`` one tensor per attention layer,
+logical shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, all views
+of one shared buffer.
+
+* CPU: the CPU attention kernel stores K transposed inside a (block, head) page
+  (``[head_size][block_size]``) and V row-major, so a page has no per-token byte
+  ranges. kvstrata therefore moves whole (layer, block) pages as opaque bytes:
+  the layout has one plane, one "head" and rows of ``page_bytes / block_size``
+  bytes, and every copy covers whole blocks. The cache is private memory, so
+  this is the worker placement.
+* CUDA: per-token addressing is real (LBNHC or LBHNC, read from the strides), the
+  server maps the buffer by CUDA IPC and writes it itself (server placement).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from kvstrata.core.layouts import LayoutError, PagedKVLayout, Region, vllm_layout
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.uint8: "uint8", torch.int8: "int8"}
+
+
+def layer_index(name: str) -> int:
+    """``model.layers.17.self_attn.attn`` -> 17 (the one integer in vLLM's layer names)."""
+    found = _LAYER_INDEX.findall(f".{name}.")
+    if len(found) != 1:
+        raise LayoutError(f"cannot tell the layer index of {name!r}: expected exactly one integer in the name")
+    return int(found[0])
+
+
+def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    items = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
+    indices = [layer_index(n) for n, _ in items]
+    if indices != list(range(len(items))):
+        raise LayoutError(f"vLLM layer indices {indices} are not 0..{len(items) - 1}; "
+                          "pipeline-parallel stages are not supported yet")
+    return items
+
+
+def cpu_page_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses."""
+    layers = ordered_layers(kv_caches)
+    first = layers[0][1]
+    if first.dim() != 4:
+        raise LayoutError(f"expected [blocks, kv_heads, block_size, 2*head] per layer, got shape {tuple(first.shape)}")
+    num_blocks, _, block_size, _ = first.shape
+    regions = []
+    for name, t in layers:
+        if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+            raise LayoutError(f"layer {name}: every layer must be a contiguous {tuple(first.shape)} "
+                              f"{first.dtype} tensor, got {tuple(t.shape)} {t.dtype}")
+        regions.append(t.view(-1).view(torch.uint8))
+    page_bytes = first.stride(0) * first.element_size()
+    if page_bytes % block_size:
+        raise LayoutError(f"page of {page_bytes} bytes does not split into {block_size} rows")
+    row = page_bytes // block_size
+    layout = PagedKVLayout(
+        format="vllm-cpu-pages", num_layers=len(layers), kv_size=1, num_blocks=num_blocks, block_size=block_size,
+        num_heads=1, head_bytes=row, dtype="uint8",
+        offsets=tuple(((l, 0),) for l in range(len(layers))),
+        block_stride=page_bytes, token_stride=row, head_stride=row,
+        regions=tuple(Region("local", r.numel()) for r in regions),
+    )
+    return layout, regions
+
+
+def cuda_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, Any]:
+    """The per-token layout of a CUDA cache, its one region exported by CUDA IPC."""
+    from kvstrata.native.cuda_ipc import export_region
+
+    layers = ordered_layers(kv_caches)
+    first = layers[0][1]
+    num_blocks, heads, block_size, channels = first.shape
+    es = first.element_size()
+    if first.stride(3) != 1:
+        raise LayoutError("the channel dim of vLLM's KV view must be contiguous")
+    if first.stride(2) == channels and first.stride(1) == block_size * channels:
+        physical = "LBHNC"
+    elif first.stride(1) == channels and first.stride(2) == heads * channels:
+        physical = "LBNHC"
+    else:
+        raise LayoutError(f"unrecognised vLLM KV strides {first.stride()} for shape {tuple(first.shape)}")
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    buffer = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    region = export_region(buffer)
+    offsets = [t.data_ptr() - base for _, t in layers]
+    layer_bytes = offsets[1] - offsets[0] if len(offsets) > 1 else num_blocks * first.stride(0) * es
+    if offsets != [i * layer_bytes for i in range(len(offsets))]:
+        raise LayoutError("vLLM layers are not evenly spaced in their shared buffer")
+    layout = vllm_layout(num_layers=len(layers), num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+                         head_size=channels // 2, dtype=TORCH_DTYPES[first.dtype], region=region,
+                         physical=physical, layer_bytes=layer_bytes)
+    return layout, buffer

@@ -1,0 +1,98 @@
+"""Run a real vLLM engine on CPU, with or without kvstrata, and write what it generated as JSON.
+
+Used by the vLLM tests as a subprocess (vLLM spawns and keeps global state, so
+every run gets a fresh interpreter):
+
+    python vllm_runner.py CONFIG.json OUT.json
+
+CONFIG: {"model": dir, "batches": [[prompt, ...], ...], "max_tokens": 8,
+         "connector": null | {kv_connector_extra_config...}, "abort": null | {...}}
+Each batch is one ``generate`` call (so the second batch can hit what the first stored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_model(path: str, *, layers: int = 8, hidden: int = 512, heads: int = 8, kv_heads: int = 4,
+               vocab: int = 1000) -> None:
+    """A random-weight float32 Llama written by transformers: outputs really depend on the KV."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # default init gives near-uniform logits; wider weights make tokens depend on context
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+
+
+def main(config_path: str, out_path: str) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same thread count with and without a connector
+    with open(config_path) as f:
+        cfg = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if cfg.get("connector") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvstrataConnector", kv_connector_module_path="kvstrata.adapters.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=cfg["connector"])
+    t0 = time.monotonic()
+    llm = LLM(model=cfg["model"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=4096, max_num_seqs=8, enable_prefix_caching=False, block_size=32, seed=0, **kw)
+    params = SamplingParams(max_tokens=cfg.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True)
+    result = {"init_s": time.monotonic() - t0, "batches": []}
+    for batch in cfg["batches"]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        result["batches"].append([
+            {"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outs])
+    abort = cfg.get("abort")
+    if abort:
+        result["abort"] = run_abort(llm, params, abort)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run_abort(llm, params, abort: dict) -> dict:
+    """Add requests through the engine API, abort one after a step or two, run the rest to the end."""
+    engine = llm.llm_engine
+    ids = []
+    for i, prompt in enumerate(abort["prompts"]):
+        rid = f"abort-test-{i}"
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        ids.append(rid)
+    for _ in range(abort.get("steps_before_abort", 2)):
+        engine.step()
+    engine.abort_request([ids[0]])
+    finished = {}
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            return {"error": "engine did not finish within 120 s after the abort"}
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    return {"aborted": ids[0], "finished": finished}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        make_model(sys.argv[2])
+        sys.exit(0)
+    sys.exit(main(sys.argv[1], sys.argv[2]))
