@@ -20,15 +20,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvstrata-conformance", "kvstrata adapter conformance (kvstrata.conformance_tests)")
     group.addoption("--adapter", action="append", default=[], metavar="NAME",
                     help="adapter to check: an entry-point name in group kvstrata.adapters or a module path "
-                         f"(pkg.module[:attr]); repeatable. Default: ${ENV_VAR} (comma-separated), else every "
+                         f"(pkg.module[:attr]); repeatable or comma-separated. Default: ${ENV_VAR} (comma-separated), else every "
                          "installed adapter")
 
 
 def selected_adapters(config: pytest.Config) -> tuple[list[str], bool]:
     """(adapter specs, whether they were named explicitly rather than discovered)."""
-    names = list(config.getoption("adapter", default=None) or [])
-    if not names:
-        names = [s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip()]
+    given = list(config.getoption("adapter", default=None) or []) or [os.environ.get(ENV_VAR, "")]
+    names = [s.strip() for value in given for s in value.split(",") if s.strip()]
     if names:
         return names, True
     from kvstrata.core.plugins import discover

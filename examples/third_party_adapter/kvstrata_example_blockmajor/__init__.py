@@ -1,0 +1,140 @@
+"""A kvstrata adapter for an engine with a block-major KV pool, shipped as its own distribution.
+
+The engine keeps one shared-memory pool ``[blocks, layers, kv, heads, tokens, head]``
+(what TensorRT-LLM hands a connector, HND inside a block). Everything kvstrata
+needs from it goes through the hooks below; kvstrata itself knows nothing of
+this package beyond its entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvstrata.core.client import build_retrieve_payload
+from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, hookimpl
+from kvstrata.core.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
+from kvstrata.core.shm import Segment
+from kvstrata.core.testing.reference_engine import ModelShape, synthetic_kv
+from kvstrata.native.reference import plane_view, scatter_staged
+
+NAME = "blockmajor"
+
+
+@dataclass(frozen=True)
+class BlockMajorPool:
+    """What the engine hands its connector: the pool's memory and shape."""
+
+    segment_name: str
+    size: int
+    num_blocks: int
+    block_size: int
+    shape: ModelShape
+
+
+def pool_bytes(shape: ModelShape, num_blocks: int, block_size: int) -> int:
+    return (num_blocks * shape.num_layers * shape.kv_size * shape.num_heads * block_size * shape.head_size
+            * DTYPE_SIZES[shape.dtype])
+
+
+@hookimpl
+def kvstrata_adapter_info() -> AdapterInfo:
+    return AdapterInfo(name=NAME, engine="block-major example engine", engine_package=None,
+                       install_hint="pip install ./examples/third_party_adapter")
+
+
+@hookimpl
+def kvstrata_describe_kv_layout(kv_caches: BlockMajorPool, placement: str) -> PagedKVLayout:
+    s = kv_caches.shape
+    return trtllm_pool_layout(num_layers=s.num_layers, num_blocks=kv_caches.num_blocks,
+                              block_size=kv_caches.block_size, num_heads=s.num_heads, head_size=s.head_size,
+                              dtype=s.dtype, region=Region("shm", kv_caches.size, kv_caches.segment_name),
+                              kv_size=s.kv_size)
+
+
+@hookimpl
+def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
+    return build_retrieve_payload(request.key, request.instance_id, request.block_ids,
+                                  skip_first_n_tokens=request.skip_first_n_tokens, event_handle=request.event_handle,
+                                  arrival_board=request.arrival_board,
+                                  layer_event_handles=request.layer_event_handles,
+                                  layers_per_stage=request.layers_per_stage)
+
+
+@hookimpl
+def kvstrata_poll_released(worker: Any) -> list[str]:
+    return worker.get_finished()
+
+
+@hookimpl
+def kvstrata_wait_for_layer(worker: Any, layer: int) -> None:
+    worker.wait_for_layer(layer)
+
+
+@hookimpl
+def kvstrata_take_failed(worker: Any) -> dict[str, tuple[list[list[int]], str]]:
+    return worker.take_failed()
+
+
+@hookimpl
+def kvstrata_conformance_harness(spec: HarnessSpec) -> "BlockMajorEngine":
+    if spec.kv_groups > 1:
+        raise NotSupported("the block-major engine has one block table for all layers (no hybrid models)")
+    return BlockMajorEngine(spec)
+
+
+class BlockMajorEngine:
+    """The engine side: allocates blocks from the pool, "prefills" synthetic KV, reads layers back."""
+
+    placement = "server"
+
+    def __init__(self, spec: HarnessSpec) -> None:
+        self.spec = spec
+        shape = ModelShape(spec.num_layers, spec.kv_size, spec.num_heads, spec.head_size, spec.dtype)
+        self.shape = shape
+        size = pool_bytes(shape, spec.num_blocks, spec.block_size)
+        self._segment = Segment.create("blockmajor", size)
+        self._regions = [torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size)]
+        self.kv_caches = BlockMajorPool(self._segment.name, size, spec.num_blocks, spec.block_size, shape)
+        self._layout = kvstrata_describe_kv_layout(self.kv_caches, self.placement)
+        self._free = list(range(spec.num_blocks))
+
+    def allocate(self, num_tokens: int) -> list[list[int]]:
+        need = -(-num_tokens // self.spec.block_size)
+        if need > len(self._free):
+            raise RuntimeError(f"block-major pool out of blocks: {need} needed, {len(self._free)} free")
+        blocks, self._free = self._free[:need], self._free[need:]
+        return [blocks]
+
+    def free(self, block_ids: Sequence[Sequence[int]]) -> None:
+        self._free.extend(block_ids[0])
+
+    def clear(self, block_ids: Sequence[Sequence[int]]) -> None:
+        for layer in range(self.shape.num_layers):
+            for k in range(self.shape.kv_size):
+                plane_view(self._regions, self._layout, layer, k)[list(block_ids[0])] = 0
+
+    def _slots(self, blocks: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(n, dtype=torch.int64)
+        return torch.as_tensor(list(blocks), dtype=torch.int64)[pos // self.spec.block_size], pos % self.spec.block_size
+
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]]) -> None:
+        tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        pos = torch.arange(len(tokens))
+        staged = torch.stack([
+            torch.stack([synthetic_kv(tokens, pos, layer, k, self.shape) for layer in range(self.shape.num_layers)])
+            for k in range(self.shape.kv_size)])
+        b, o = self._slots(block_ids[0], len(tokens))
+        scatter_staged(staged, self._regions, self._layout, [b], [o])
+
+    def read_layer(self, block_ids: Sequence[Sequence[int]], layer: int, num_tokens: int) -> bytes:
+        b, o = self._slots(block_ids[0], num_tokens)
+        planes = [plane_view(self._regions, self._layout, layer, k)[b, o] for k in range(self.shape.kv_size)]
+        return torch.stack(planes).contiguous().numpy().tobytes()
+
+    def close(self) -> None:
+        self._regions.clear()
+        self.kv_caches = None
+        self._segment.destroy()
