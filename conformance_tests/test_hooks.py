@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from kvstrata.core import hookspecs
+from kvstrata.core.layouts import DTYPE_SIZES
 from kvstrata.core.hookspecs import ConformanceEngine, HarnessSpec, RetrieveRequest
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.plugins import (
@@ -115,14 +116,22 @@ def test_payload_hook_builds_the_declared_items(adapter: Adapter, mode: str) -> 
 
 def test_kv_layout_describes_the_engine_and_registers(rig) -> None:
     layout, spec = rig.layout, rig.spec
-    require(layout.kv_size == spec.kv_size, "kv-layout", f"kv_size {layout.kv_size}, the engine has {spec.kv_size}")
-    require(layout.num_heads == spec.num_heads, "kv-layout",
-            f"num_heads {layout.num_heads}, the engine has {spec.num_heads}")
     require(layout.block_size == spec.block_size, "kv-layout",
             f"block_size {layout.block_size}, the engine has {spec.block_size}")
-    require(layout.head_bytes == spec.head_size * layout.element_size, "kv-layout",
-            f"head_bytes {layout.head_bytes} for head_size {spec.head_size} in {layout.dtype}")
-    require(layout.dtype == spec.dtype, "kv-layout", f"dtype {layout.dtype}, the engine has {spec.dtype}")
+    # Per-token formats describe kv, heads and head bytes one to one. Formats whose pages have no
+    # per-token byte ranges (vLLM's CPU cache stores K transposed) move whole pages as opaque rows
+    # and say so with dtype "uint8"; either way a token of a layer must span exactly the engine's bytes.
+    want = spec.kv_size * spec.num_heads * spec.head_size * DTYPE_SIZES[spec.dtype]
+    have = layout.kv_size * layout.num_heads * layout.head_bytes
+    require(have == want, "kv-layout", f"the layout gives a token {have} bytes per layer "
+                                       f"(kv {layout.kv_size} x heads {layout.num_heads} x {layout.head_bytes} B), "
+                                       f"the engine's {spec.num_heads} heads of {spec.head_size} {spec.dtype} "
+                                       f"in {spec.kv_size} planes hold {want}")
+    if layout.dtype != "uint8":
+        require(layout.kv_size == spec.kv_size, "kv-layout", f"kv_size {layout.kv_size}, the engine has {spec.kv_size}")
+        require(layout.num_heads == spec.num_heads, "kv-layout",
+                f"num_heads {layout.num_heads}, the engine has {spec.num_heads}")
+        require(layout.dtype == spec.dtype, "kv-layout", f"dtype {layout.dtype}, the engine has {spec.dtype}")
     # Registration already happened on a real server (rig.start); it answered with its chunk size.
     require(rig.worker.chunk_size == rig.chunk_size, "kv-layout",
             f"the worker did not record the server's chunk size after REGISTER_KV_CACHE ({rig.worker.chunk_size})")

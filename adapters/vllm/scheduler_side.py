@@ -44,6 +44,7 @@ class SchedulerSide:
         self._released: set[str] = set()
         self._stored: set[str] = set()
         self._unreachable_logged = False
+        self._down_until = 0.0
 
     def _key(self, request: Any, num_tokens: int) -> CacheKey:
         return CacheKey(request.request_id, self.model, 1, 0, pack_tokens(request.prompt_token_ids[:num_tokens]),
@@ -59,6 +60,8 @@ class SchedulerSide:
         if loadable <= num_computed_tokens:
             return 0, False
         entry = self._lookups.get(rid)
+        if entry is None and time.monotonic() < self._down_until:
+            return 0, False  # the server just failed to answer: compute, and try again after the back-off
         if entry is None:
             fut = self.client.transport.submit(RequestType.LOOKUP, [self._key(request, loadable).to_wire()])
             self._lookups[rid] = (fut, time.monotonic())
@@ -69,6 +72,7 @@ class SchedulerSide:
                 return None, False
             self._lookups.pop(rid)
             self._end_session(rid)
+            self._down_until = time.monotonic() + self.settings.lookup_timeout * 5
             if not self._unreachable_logged:
                 self._unreachable_logged = True
                 log.warning("kvstrata server %s did not answer LOOKUP within %.1fs; computing the prompt instead "
@@ -139,7 +143,10 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> bool:
         rid = request.request_id
         delay = rid in self._loads_issued and rid in self._released
-        self._end_session(rid)
+        if rid not in self._loads_issued:
+            # locks of a load already issued are the worker's to release (RETRIEVE, or FREE after
+            # its copy); releasing them here could let a chunk be evicted under a copy in flight
+            self._end_session(rid)
         for d in (self._hits, self._requests):
             d.pop(rid, None)
         self._lookups.pop(rid, None)

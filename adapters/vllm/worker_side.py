@@ -18,6 +18,7 @@ import torch
 from kvstrata.core.client import CacheClient
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.protocol import RequestType
 from kvstrata.core.staging import StagingStore
 from kvstrata.core.worker import LayerwiseWorker
 
@@ -25,6 +26,8 @@ from .kv_layout import cpu_page_layout, cuda_layout, layer_index
 from .settings import ConnectorSettings
 
 log = logging.getLogger("kvstrata.adapters.vllm")
+
+RECONNECT_INTERVAL = 10.0
 
 
 class EventRecord:
@@ -64,32 +67,59 @@ class WorkerSide:
         self._released: set[str] = set()
         self._finished_unreleased: set[str] = set()
         self._load_errors: set[int] = set()
+        self._unloadable: set[str] = set()
         self._cuda = False
+        self._next_connect = 0.0
 
     # --- registration ------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's cache; connect now if the server answers, else serve without it and retry."""
         self._layer_of = {name: layer_index(name) for name in kv_caches}
         first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            self._layout, self._cuda_buffer = cuda_layout(kv_caches)
+            self._cuda = True
+            self._device = str(first.device)
+        else:
+            self._layout, self._regions = cpu_page_layout(kv_caches)
+        if not self._connect():
+            log.warning("kvstrata server %s is not reachable; vLLM computes every prompt until it is "
+                        "(retrying every %.0fs)", self.settings.server_address, RECONNECT_INTERVAL)
+
+    def _connect(self) -> bool:
+        """Build the transfer runtime and register with the server; False (and retry later) if it is down."""
+        if self.worker is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        self._next_connect = now + RECONNECT_INTERVAL
         s = self.settings
         common = dict(pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
                       retrieve_timeout=s.retrieve_timeout)
-        if first.device.type == "cuda":
-            from kvstrata.native.cuda_events import CudaEventBackend
+        try:
+            if self._cuda:
+                from kvstrata.native.cuda_events import CudaEventBackend
 
-            layout, self._cuda_buffer = cuda_layout(kv_caches)
-            self._cuda = True
-            self.worker = LayerwiseWorker(self.client, s.instance_id, layout, placement=PLACEMENT_SERVER,
-                                          event_backend=CudaEventBackend(str(first.device)), **common)
-        else:
-            layout, regions = cpu_page_layout(kv_caches)
-            chunk = int(self.client.server_info()["chunk_size"])
-            self.staging = StagingStore(layout, regions, chunk_size=chunk)
-            self.worker = LayerwiseWorker(self.client, s.instance_id, layout, placement=PLACEMENT_WORKER,
-                                          local_regions=regions, registration_layout=self.staging.layout, **common)
-        self.worker.register()
-        log.info("registered %d vLLM layers (%s, %d blocks of %d tokens) with kvstrata at %s", layout.num_layers,
-                 layout.format, layout.num_blocks, layout.block_size, s.server_address)
+                worker = LayerwiseWorker(self.client, s.instance_id, self._layout, placement=PLACEMENT_SERVER,
+                                         event_backend=CudaEventBackend(self._device), **common)
+            else:
+                chunk = int(self.client.transport.call(RequestType.SERVER_INFO, [], timeout=s.lookup_timeout)
+                            ["chunk_size"])
+                self.staging = self.staging or StagingStore(self._layout, self._regions, chunk_size=chunk)
+                worker = LayerwiseWorker(self.client, s.instance_id, self._layout, placement=PLACEMENT_WORKER,
+                                         local_regions=self._regions, registration_layout=self.staging.layout,
+                                         **common)
+            worker.register()
+        except Exception as exc:
+            log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)
+            return False
+        self.worker = worker
+        log.info("registered %d vLLM layers (%s, %d blocks of %d tokens) with kvstrata at %s",
+                 self._layout.num_layers, self._layout.format, self._layout.num_blocks, self._layout.block_size,
+                 s.server_address)
+        return True
 
     # --- loads -------------------------------------------------------------------------
 
@@ -97,6 +127,13 @@ class WorkerSide:
         return CacheKey(spec["request_id"], self.model, 1, 0, spec["tokens"], spec.get("salt"))
 
     def start_loads(self, loads: Iterable[dict[str, Any]]) -> None:
+        loads = list(loads)
+        if loads and not self._connect():
+            for spec in loads:  # the server went away after the lookup: recompute these
+                self._unloadable.add(spec["request_id"])
+                self._load_errors.update(b for g in spec["block_ids"] for b in g)
+                self.record.write("load_failed", request_id=spec["request_id"], reason="server not reachable")
+            return
         for spec in loads:
             self.worker.submit_retrieve(spec["request_id"], self._key(spec), spec["block_ids"],
                                         skip_first_n_tokens=spec["skip"], layers_per_stage=spec["layers_per_stage"])
@@ -104,6 +141,8 @@ class WorkerSide:
                               skip=spec["skip"], layers_per_stage=spec["layers_per_stage"])
 
     def wait_for_layer(self, layer_name: str) -> None:
+        if self.worker is None:
+            return
         layer = self._layer_of[layer_name]
         if not self.record.enabled:
             self.worker.wait_for_layer(layer)
@@ -113,11 +152,15 @@ class WorkerSide:
         self.record.write("wait_for_layer_load", layer=layer, in_flight=sorted(inflight))
 
     def handle_preemptions(self, request_ids: list[str]) -> None:
-        self.worker.wait_settled(set(request_ids))
+        if self.worker is not None:
+            self.worker.wait_settled(set(request_ids))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        unloadable, self._unloadable = self._unloadable, set()
         w = self.worker
-        recving = set(w.get_finished())
+        if w is None:
+            return None, unloadable or None
+        recving = set(w.get_finished()) | unloadable
         for rid in recving:
             rec = w.records.get(rid)
             self.record.write("released", request_id=rid,
@@ -169,6 +212,8 @@ class WorkerSide:
 
     def store(self, stores: Iterable[dict[str, Any]]) -> None:
         """STORE freshly computed prompts. A failed store is logged; serving goes on."""
+        if not self._connect():
+            return
         for spec in stores:
             key = self._key(spec)
             try:

@@ -77,8 +77,16 @@ def run_abort(llm, params, abort: dict) -> dict:
         rid = f"abort-test-{i}"
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         ids.append(rid)
-    for _ in range(abort.get("steps_before_abort", 2)):
+    # step until the first request's load has started (the connector's record says so), then abort it
+    record = abort.get("record_path")
+    loading = False
+    for _ in range(200):
         engine.step()
+        if record and os.path.exists(record):
+            with open(record) as f:
+                loading = any('"load_started"' in line and f'"{ids[0]}' in line for line in f)
+        if loading:
+            break
     engine.abort_request([ids[0]])
     finished = {}
     deadline = time.monotonic() + 120
@@ -88,7 +96,9 @@ def run_abort(llm, params, abort: dict) -> dict:
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = list(out.outputs[0].token_ids)
-    return {"aborted": ids[0], "finished": finished}
+                if out.request_id == ids[0]:
+                    finished[out.request_id] = "aborted"
+    return {"aborted": ids[0], "aborted_while_loading": loading, "finished": finished}
 
 
 if __name__ == "__main__":
