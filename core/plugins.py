@@ -163,12 +163,9 @@ class _CoreDefaults:
     @hookimpl(trylast=True)
     def kvstrata_create_worker(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, kv_caches: Any,
                                placement: str, options: WorkerOptions) -> Any:
-        from .worker import LayerwiseWorker
+        from .adapter_defaults import layerwise_worker
 
-        return LayerwiseWorker(client, instance_id, layout, placement=placement, pool_slots=options.pool_slots,
-                               release_after_layers=options.release_after_layers,
-                               layer_wait_timeout=options.layer_wait_timeout,
-                               retrieve_timeout=options.retrieve_timeout)
+        return layerwise_worker(client, instance_id, layout, placement, options)
 
 
 _CORE_PLUGIN_NAME = "kvstrata-core-defaults"

@@ -26,12 +26,17 @@ from kvstrata.core.hookspecs import (
     AdapterInfo,
     HarnessSpec,
     NotSupported,
-    RetrieveRequest,
     WorkerOptions,
     hookimpl,
 )
 from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
-from kvstrata.core.plugins import default_retrieve_payload
+from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as this adapter's hooks)
+    kvstrata_build_retrieve_payload,
+    kvstrata_poll_released,
+    kvstrata_take_failed,
+    kvstrata_wait_for_layer,
+    layerwise_worker,
+)
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine, synthetic_kv
 from kvstrata.native.reference import plane_view, scatter_staged
 
@@ -90,35 +95,9 @@ def kvstrata_describe_kv_layout(kv_caches: Any, placement: str) -> PagedKVLayout
 @hookimpl
 def kvstrata_create_worker(client: Any, instance_id: int, layout: PagedKVLayout, kv_caches: Any, placement: str,
                            options: WorkerOptions) -> Any:
-    from kvstrata.core.worker import LayerwiseWorker
-
     # Worker placement copies in this process, through the engine's own views of its cache.
     local = list(kv_caches.regions) if placement == PLACEMENT_WORKER else None
-    return LayerwiseWorker(client, instance_id, layout, placement=placement, local_regions=local,
-                           pool_slots=options.pool_slots, release_after_layers=options.release_after_layers,
-                           layer_wait_timeout=options.layer_wait_timeout, retrieve_timeout=options.retrieve_timeout)
-
-
-@hookimpl
-def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
-    return default_retrieve_payload(request)
-
-
-@hookimpl
-def kvstrata_poll_released(worker: Any) -> list[str]:
-    # The worker's policy is the specification's: released once the first slice landed
-    # (or the retrieve failed); the draining transfer is still collected later.
-    return worker.get_finished()
-
-
-@hookimpl
-def kvstrata_wait_for_layer(worker: Any, layer: int) -> None:
-    worker.wait_for_layer(layer)
-
-
-@hookimpl
-def kvstrata_take_failed(worker: Any) -> dict[str, tuple[list[list[int]], str]]:
-    return worker.take_failed()
+    return layerwise_worker(client, instance_id, layout, placement, options, local_regions=local)
 
 
 @hookimpl

@@ -20,9 +20,15 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, WorkerOptions, hookimpl
+from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, WorkerOptions, hookimpl
 from kvstrata.core.layouts import DTYPE_SIZES, PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region
-from kvstrata.core.plugins import default_retrieve_payload
+from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as this adapter's hooks)
+    kvstrata_build_retrieve_payload,
+    kvstrata_poll_released,
+    kvstrata_take_failed,
+    kvstrata_wait_for_layer,
+    layerwise_worker,
+)
 from kvstrata.core.shm import Segment
 
 from .kv_layout import cpu_page_layout
@@ -70,35 +76,8 @@ def kvstrata_describe_kv_layout(kv_caches: Any, placement: str) -> PagedKVLayout
 @hookimpl
 def kvstrata_create_worker(client: Any, instance_id: int, layout: PagedKVLayout, kv_caches: Any, placement: str,
                            options: WorkerOptions) -> Any:
-    from kvstrata.core.worker import LayerwiseWorker
-
     local = describe(kv_caches, PLACEMENT_WORKER)[1] if placement == PLACEMENT_WORKER else None
-    return LayerwiseWorker(client, instance_id, layout, placement=placement, local_regions=local,
-                           pool_slots=options.pool_slots, release_after_layers=options.release_after_layers,
-                           layer_wait_timeout=options.layer_wait_timeout, retrieve_timeout=options.retrieve_timeout)
-
-
-@hookimpl
-def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
-    return default_retrieve_payload(request)
-
-
-@hookimpl
-def kvstrata_poll_released(worker: Any) -> list[str]:
-    # vLLM's get_finished reports these in finished_recving (see worker_side.WorkerSide.get_finished)
-    return worker.get_finished()
-
-
-@hookimpl
-def kvstrata_wait_for_layer(worker: Any, layer: int) -> None:
-    # vLLM's wait_for_layer_load(layer_name), with the name already mapped to its index
-    worker.wait_for_layer(layer)
-
-
-@hookimpl
-def kvstrata_take_failed(worker: Any) -> dict[str, tuple[list[list[int]], str]]:
-    # vLLM's get_block_ids_with_load_errors takes the block ids of these
-    return worker.take_failed()
+    return layerwise_worker(client, instance_id, layout, placement, options, local_regions=local)
 
 
 @hookimpl

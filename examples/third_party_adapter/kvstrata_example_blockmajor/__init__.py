@@ -13,6 +13,11 @@ from typing import Any, Sequence
 
 import torch
 
+from kvstrata.core.adapter_defaults import (  # noqa: F401  (the core's release/wait/failure policy, as hooks)
+    kvstrata_poll_released,
+    kvstrata_take_failed,
+    kvstrata_wait_for_layer,
+)
 from kvstrata.core.client import build_retrieve_payload
 from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, hookimpl
 from kvstrata.core.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
@@ -63,19 +68,10 @@ def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
                                   layers_per_stage=request.layers_per_stage)
 
 
-@hookimpl
-def kvstrata_poll_released(worker: Any) -> list[str]:
-    return worker.get_finished()
 
 
-@hookimpl
-def kvstrata_wait_for_layer(worker: Any, layer: int) -> None:
-    worker.wait_for_layer(layer)
 
 
-@hookimpl
-def kvstrata_take_failed(worker: Any) -> dict[str, tuple[list[list[int]], str]]:
-    return worker.take_failed()
 
 
 @hookimpl
