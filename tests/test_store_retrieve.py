@@ -192,3 +192,36 @@ def test_store_skips_chunks_already_stored(client):
         assert reply == {"stored_tokens": 64, "skipped_tokens": 128}
     finally:
         engine.close()
+
+
+def test_ping_and_lookup_are_answered_while_a_long_transfer_runs():
+    """Blocking handlers run on transfer threads: a slow retrieve must not stall the socket loop."""
+    import time
+
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.testing.reference_engine import LLAMA_8B
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    tokens = 2048  # 256 MiB: hundreds of milliseconds of copying on CPU
+    with ServerProcess(l1_bytes=300 << 20, chunk_size=256) as srv:
+        client = CacheClient(srv.address)
+        engine = make_engine(client, LLAMA_8B, num_blocks=2 * tokens // 16 + 2)
+        try:
+            prompt = list(range(tokens))
+            store_prompt(client, engine, prompt)
+            key = CacheKey.for_tokens("slow", prompt, model="m")
+            client.lookup(key)
+            dst = engine.allocate(tokens)
+            fut = client.retrieve_async(key, 0, [dst])
+            time.sleep(0.02)  # let the retrieve reach its transfer thread
+            t0 = time.perf_counter()
+            assert client.ping() == "pong"
+            assert client.lookup(CacheKey.for_tokens("other", [1, 2, 3], model="m")) == 0
+            answered = time.perf_counter() - t0
+            assert not fut.done(), "the retrieve finished before PING was even sent: the test proves nothing"
+            client.transport.wait(fut)
+            total = time.perf_counter() - t0
+            assert answered < total / 2, (answered, total)
+        finally:
+            engine.close()
+            client.close()
