@@ -116,7 +116,23 @@ class Rig:
     # --- the server process ---------------------------------------------------------------
 
     def pause_server(self) -> None:
-        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        """SIGSTOP the server and return only once it is really stopped.
+
+        kill() returns before the signal takes effect; a copy thread still
+        running in that window can publish more layers after the suite has read
+        the board, and the layer it then waits on has arrived after all (seen on
+        a loaded 2-core machine as a spurious "never reported" failure).
+        """
+        pid = self.server.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
+        raise RuntimeError(f"the server process {pid} did not stop within 10 s of SIGSTOP")
 
     def resume_server(self) -> None:
         if self.server is not None and self.server.proc is not None and self.server.proc.poll() is None:
