@@ -70,6 +70,19 @@ def optional(t: ValueType) -> ValueType:
 
 
 def list_of(t: ValueType) -> ValueType:
+    if t is INT or t is NONNEG_INT:
+        # Block-id lists run to thousands of items on every STORE and RETRIEVE, on both
+        # ends: checking plain ints at C speed keeps validation off the transfer's
+        # critical path. Anything else (bools, int subclasses, junk) takes the exact
+        # per-item predicate, so what is accepted is unchanged.
+        def check_ints(v: Any) -> bool:
+            if not isinstance(v, list):
+                return False
+            if set(map(type, v)) <= {int}:
+                return t is INT or not v or min(v) >= 0
+            return all(t.check(x) for x in v)
+
+        return ValueType(f"list[{t.name}]", check_ints)
     return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and all(t.check(x) for x in v))
 
 
