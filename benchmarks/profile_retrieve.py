@@ -1,0 +1,234 @@
+"""Where a GPU retrieve's time goes: one timeline across the engine process and the server process.
+
+``time.perf_counter`` is CLOCK_MONOTONIC on Linux, so timestamps taken in the
+server child and in this process share one clock. The child runs the real
+``kvstrata serve`` with wrappers around the steps of a retrieve (request
+decoded, handler entered, objects located, executor built, per-transfer table,
+each slice enqueued and published, finish, reply sent) and CUDA timing events
+on its copy stream, so each slice's GPU completion is placed on the same clock.
+
+    python benchmarks/profile_retrieve.py --tokens 8192 --widths 0,1,32 --reps 3
+
+Prints, per width, the median offset of every step from the engine's submit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+
+def install_tracing(path: str) -> None:
+    """Wrap the server's retrieve steps so each writes (time, name) to ``path`` (server child only)."""
+    import torch
+
+    from kvstrata.core import arrival_board, planner, transport
+    from kvstrata.core import server as server_mod
+    from kvstrata.native import cuda_executor, cuda_target
+
+    out = open(path, "a", buffering=1)
+    lock = threading.Lock()
+    pending: list[tuple[float, Any, list[Any]]] = []
+
+    def mark(name: str, t: float | None = None) -> None:
+        with lock:
+            out.write(json.dumps({"t": time.perf_counter() if t is None else t, "name": name}) + "\n")
+
+    def wrap(owner: Any, attr: str, enter: str | None, leave: str | None) -> None:
+        orig = getattr(owner, attr, None)
+        if orig is None:  # a renamed step must not take the whole profile down
+            print(f"profile_retrieve: {getattr(owner, '__name__', owner)}.{attr} not found; not traced", file=sys.stderr)
+            return
+
+        @functools.wraps(orig)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            if enter:
+                mark(enter)
+            try:
+                return orig(*a, **k)
+            finally:
+                if leave:
+                    mark(leave)
+
+        setattr(owner, attr, wrapper)
+
+    wrap(transport.Server, "_dispatch", "recv", "dispatched")
+    wrap(server_mod.CacheServer, "retrieve", "handler_in", "handler_out")
+    wrap(server_mod.CacheServer, "_locked_objects", None, "objects_located")
+    wrap(cuda_target.CudaIpcTarget, "open_layer_events", None, "events_opened")
+    wrap(cuda_target.CudaIpcTarget, "executor", "executor_in", "executor_out")
+    wrap(cuda_executor.CudaExecutor, "_table", "table_in", "table_out")
+    wrap(cuda_executor.CudaExecutor, "gather", "gather_in", "gather_out")
+    wrap(server_mod.CacheServer, "store_kv", "store_in", "store_out")
+    wrap(arrival_board.ArrivalBoard, "publish", None, "publish")
+    wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
+    wrap(transport.Server, "_run_blocking", None, "reply_sent")
+
+    orig_scatter = cuda_executor.CudaExecutor.scatter
+
+    def scatter(self: Any, job: Any, layer_start: int, layer_count: int) -> None:
+        stream = self.engine.stream
+        if not getattr(self, "_trace", None):
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record(stream)
+            self._trace = (time.perf_counter(), ev0, [])
+            pending.append(self._trace)
+        mark("scatter_in")
+        orig_scatter(self, job, layer_start, layer_count)
+        mark("scatter_out")
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        self._trace[2].append(ev)
+
+    cuda_executor.CudaExecutor.scatter = scatter
+    orig_finish = cuda_target.CudaIpcTarget.finish
+
+    def finish(self: Any) -> None:
+        mark("finish_in")
+        orig_finish(self)
+        mark("finish_out")
+        while pending:
+            t0, ev0, evs = pending.pop()
+            for i, ev in enumerate(evs):
+                if i in (0, len(evs) - 1):
+                    mark(f"gpu_slice{'0' if i == 0 else '_last'}_done", t0 + ev0.elapsed_time(ev) / 1e3)
+
+    cuda_target.CudaIpcTarget.finish = finish
+
+
+def serve_traced(argv: list[str]) -> int:
+    path = os.environ["KVSTRATA_TRACE_FILE"]
+    install_tracing(path)
+    from kvstrata.cli import main
+
+    return main(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    sys.setswitchinterval(1e-4)
+    trace = tempfile.mktemp(prefix="kvstrata-trace-", suffix=".jsonl")
+    os.environ["KVSTRATA_TRACE_FILE"] = trace
+    nb = args.tokens // 16
+    cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
+                       num_blocks=2 * nb + 2, block_size=16)
+    nbytes = 2 * cache.layout.object_bytes(args.tokens)  # the retrieved prompt plus one stored at a time
+    src, dst = list(range(nb)), list(range(nb, 2 * nb))
+    cache.write(cache.random_kv(args.tokens, seed=1), src)
+    torch.cuda.synchronize()
+    srv = ServerProcess(l1_bytes=nbytes + (64 << 20), chunk_size=args.chunk, log_level="WARNING")
+    srv.args = [sys.executable, os.path.abspath(__file__), "--serve-traced", *srv.args[3:]]
+    results: dict[str, Any] = {}
+    with srv:
+        backend = CudaEventBackend("cuda:0")
+        client = CacheClient(srv.address, timeout=120.0)
+        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        try:
+            worker.register()
+            prompt = torch.randint(0, 32000, (args.tokens,)).tolist()
+            client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [src],
+                         event_handle=backend.store_event_handle())
+            widths = [int(w) for w in args.widths.split(",")]
+            for width in widths:
+                rows: dict[str, list[float]] = {}
+                for rep in range(args.reps + 1):
+                    rid = f"w{width}-{rep}"
+                    key = CacheKey.for_tokens(rid, prompt, model="m")
+                    client.lookup(key)
+                    torch.cuda.synchronize()
+                    open(trace, "w").close()
+                    done: list[float] = []
+                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                    worker.future_of(rid).add_done_callback(lambda f: done.append(time.perf_counter()))
+                    while rid not in worker.get_finished():
+                        time.sleep(2e-5)
+                    for layer in range(32):
+                        worker.wait_for_layer(layer)
+                    worker.wait_all()
+                    rec = worker.records.pop(rid)
+                    if rep == 0:
+                        continue
+                    t0 = rec.submitted_at
+                    seen: dict[str, float] = {}
+                    with open(trace) as f:
+                        for line in f:
+                            e = json.loads(line)
+                            if e["name"] == "recv" and "recv" in seen:
+                                continue  # only the RETRIEVE's own arrival (LOOKUPs came before the truncation)
+                            key_name = e["name"] if e["name"] not in seen else e["name"] + "_last"
+                            seen[key_name] = (e["t"] - t0) * 1e3
+                    seen["engine_released"] = (rec.released_at - t0) * 1e3
+                    seen["engine_reply"] = (done[0] - t0) * 1e3
+                    for k, v in seen.items():
+                        rows.setdefault(k, []).append(v)
+                results[str(width)] = {k: round(statistics.median(v), 3) for k, v in
+                                       sorted(rows.items(), key=lambda kv: statistics.median(kv[1]))}
+            rows = {}
+            for rep in range(args.reps + 1):
+                p = torch.randint(0, 32000, (args.tokens,)).tolist()
+                open(trace, "w").close()
+                t0 = time.perf_counter()
+                client.store(CacheKey.for_tokens(f"st{rep}", p, model="m"), 0, [src],
+                             event_handle=backend.store_event_handle())
+                t1 = time.perf_counter()
+                if rep == 0:
+                    continue
+                seen = {}
+                with open(trace) as f:
+                    for line in f:
+                        e = json.loads(line)
+                        name = e["name"] if e["name"] not in seen else e["name"] + "_last"
+                        seen[name] = (e["t"] - t0) * 1e3
+                seen["engine_reply"] = (t1 - t0) * 1e3
+                for k, v in seen.items():
+                    rows.setdefault(k, []).append(v)
+            results["store"] = {k: round(statistics.median(v), 3) for k, v in
+                                sorted(rows.items(), key=lambda kv: statistics.median(kv[1]))}
+        finally:
+            worker.close()
+            client.close()
+    os.unlink(trace)
+    return results
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-traced":
+        return serve_traced(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--widths", default="0,1,32")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="")
+    p.add_argument("--mode", default="", help="server copy mode (KVSTRATA_CUDA_MODE); default: the server's")
+    args = p.parse_args()
+    if args.mode:
+        os.environ["KVSTRATA_CUDA_MODE"] = args.mode
+    results = run(args)
+    for width, steps in results.items():
+        print(f"{'width ' + width if width != 'store' else 'store'}: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,479 @@
+"""Transfer benchmark: a 1 GiB retrieve of 32 layers through a real server, against the raw copy limit.
+
+In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
+8192 tokens = 1 GiB; chunk 256; vLLM's LBNHC cache with 16-token blocks):
+
+1. raw limits: one pinned host-to-GPU cudaMemcpy of the same bytes (the limit a
+   retrieve is held to), and GPU-to-host for the store path; also from the
+   server's kind of memory (a cudaHostRegister-ed shared-memory pool), and as
+   32 pieces;
+2. in-process executor times (no server, GPU events only), per copy mode and
+   width, plus a thread-block sweep of the kernel: what the GPU itself spends;
+3. end to end against a ``kvstrata serve`` child process, per copy mode:
+   chunk-major retrieve time, and for widths 1, 2, 4, 8, 32 the time until the
+   request is released and until the transfer completes (the reply arrives),
+   with the GPU-side view (when the engine's stream saw the first and the last
+   layer land); the store path against the raw GPU-to-host copy.
+
+Writes a JSON result (``--out``) with the GPU name, versions and date, and
+evaluates the issue's targets on the primary mode. Run it as the README in
+this directory says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+TARGETS = {
+    "chunk_major_vs_raw": 1.05,
+    "store_vs_raw": 1.10,
+    "width1_release_ms": 0.9,
+    "width1_overhead_ms": 0.5,
+    "wide_overhead_ms": 0.3,
+}
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    if not v:
+        return {}
+    return {"median": statistics.median(v), "min": v[0], "max": v[-1],
+            "p10": v[max(0, int(0.1 * (len(v) - 1)))], "p90": v[min(len(v) - 1, round(0.9 * (len(v) - 1)))],
+            "n": len(v)}
+
+
+def gpu_time(fn: Callable[[], None], stream: torch.cuda.Stream, reps: int, warmup: int = 2) -> list[float]:
+    """Milliseconds per call of ``fn`` between events on ``stream``."""
+    out = []
+    for i in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        if i >= warmup:
+            out.append(start.elapsed_time(end))
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    info = {"gpu": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "cpu_count": os.cpu_count()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.width.current",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+# --- 1. raw limits -------------------------------------------------------------------
+
+
+def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:
+    from kvstrata.core.l1_store import L1Store
+    from kvstrata.native import cuda_ext
+    from kvstrata.native.cuda_executor import pin_pool, unpin_pool
+
+    ext = cuda_ext.load()
+    stream = torch.cuda.Stream()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda"))
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev.cpu())
+    out: dict[str, Any] = {"bytes": nbytes}
+    with torch.cuda.stream(stream):
+        out["h2d_pinned_ms"] = stats(gpu_time(lambda: dev.copy_(host, non_blocking=True), stream, reps))
+        out["d2h_pinned_ms"] = stats(gpu_time(lambda: host.copy_(dev, non_blocking=True), stream, reps))
+    store = L1Store(nbytes + (1 << 20))
+    try:
+        pool = store.pool[:nbytes]
+        pool.copy_(host)
+        pin_pool(store.pool, 0, ext)
+        try:
+            one = torch.tensor([[dev.data_ptr(), pool.data_ptr(), nbytes]], dtype=torch.int64)
+            piece = nbytes // 32
+            many = torch.tensor([[dev.data_ptr() + i * piece, pool.data_ptr() + i * piece, piece] for i in range(32)],
+                                dtype=torch.int64)
+            back = torch.tensor([[pool.data_ptr(), dev.data_ptr(), nbytes]], dtype=torch.int64)
+            s = stream.cuda_stream
+            out["h2d_registered_shm_ms"] = stats(gpu_time(lambda: ext.memcpy_runs(one.data_ptr(), 1, 0, s), stream, reps))
+            out["h2d_registered_shm_32_pieces_ms"] = stats(
+                gpu_time(lambda: ext.memcpy_runs(many.data_ptr(), 32, 0, s), stream, reps))
+            out["d2h_registered_shm_ms"] = stats(gpu_time(lambda: ext.memcpy_runs(back.data_ptr(), 1, 0, s), stream, reps))
+        finally:
+            unpin_pool(store.pool, ext)
+            del pool
+    finally:
+        store.close()
+    for k in ("h2d_pinned_ms", "d2h_pinned_ms", "h2d_registered_shm_ms"):
+        out[k.replace("_ms", "_gbps")] = round(nbytes / out[k]["median"] / 1e6, 2)
+    del dev, host
+    torch.cuda.empty_cache()
+    return out
+
+
+# --- shared set-up -------------------------------------------------------------------
+
+
+def llama_cache(tokens: int, block_size: int):
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    nb = tokens // block_size
+    return GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
+                      num_blocks=2 * nb + 2, block_size=block_size)
+
+
+# --- 2. in-process executor times ------------------------------------------------------
+
+
+def measure_inprocess(tokens: int, chunk: int, block_size: int, reps: int, modes: list[str], widths: list[int],
+                      cta_sweep: list[int]) -> dict[str, Any]:
+    from kvstrata.core import planner
+    from kvstrata.core.l1_store import L1Store
+    from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
+
+    cache = llama_cache(tokens, block_size)
+    nb = tokens // block_size
+    truth = cache.random_kv(tokens, seed=1)
+    nbytes = cache.layout.object_bytes(tokens)
+    store = L1Store(nbytes + (8 << 20))
+    out: dict[str, Any] = {}
+    objects: list[torch.Tensor] = []
+    try:
+        host = truth.cpu()
+        for i, start in enumerate(range(0, tokens, chunk)):
+            obj = store.reserve(i.to_bytes(16, "little"), chunk, cache.layout.object_bytes(chunk),
+                                cache.layout.shape_signature())
+            view = store.object_view(obj)
+            view.copy_(host[:, :, start:start + chunk])
+            store.commit(obj)
+            objects.append(view)
+        del host
+        src = list(range(nb))
+        dst = list(range(nb, 2 * nb))
+        copies = planner.plan_copies([chunk] * len(objects), chunk, 0, 0)
+        for mode in modes:
+            engine = CudaTransferEngine(cache.layout, cache.region_tensors(), store.pool, 0,
+                                        CudaTransferConfig(mode=mode))
+            res: dict[str, Any] = {"max_ctas": engine.max_ctas}
+            try:
+                for width in widths:
+                    gpu_ms, first_ms, host_ms = [], [], []
+                    for i in range(2 + reps):
+                        ex = engine.executor(objects)  # fresh executor: the per-transfer table build is included
+                        job = planner.TransferJob(cache.layout, [dst], copies)
+                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        marks: list[int] = []
+
+                        def on_batch(s: int, c: int) -> None:
+                            if not marks:
+                                ev[1].record(engine.stream)
+                                marks.append(s)
+
+                        ev[0].record(engine.stream)
+                        t0 = time.perf_counter()
+                        planner.run_transfer(ex, job, width, on_batch)
+                        t1 = time.perf_counter()
+                        ev[2].record(engine.stream)
+                        ev[2].synchronize()
+                        if i >= 2:
+                            host_ms.append((t1 - t0) * 1e3)
+                            gpu_ms.append(ev[0].elapsed_time(ev[2]))
+                            first_ms.append(ev[0].elapsed_time(ev[1]))
+                    res[f"retrieve_w{width}"] = {"gpu_ms": stats(gpu_ms), "gpu_first_slice_ms": stats(first_ms),
+                                                 "host_enqueue_ms": stats(host_ms)}
+                cache.poison(dst)
+                planner.run_transfer(engine.executor(objects), planner.TransferJob(cache.layout, [dst], copies), 1)
+                engine.synchronize()
+                res["verified"] = bool(cache.read(dst, 0, tokens).equal(truth))
+                cache.write(truth, src)
+                torch.cuda.synchronize()
+
+                def gather_all() -> None:
+                    for i, start in enumerate(range(0, tokens, chunk)):
+                        job = planner.TransferJob(cache.layout, [src], [planner.ChunkCopy(0, 0, chunk, start)])
+                        engine.executor([objects[i]]).gather(job)
+
+                res["store_gather_gpu_ms"] = stats(gpu_time(gather_all, engine.stream, reps))
+                if mode == "kernel":
+                    sweep = {}
+                    default = engine.max_ctas
+                    for ctas in cta_sweep:
+                        engine.max_ctas = ctas
+                        ex = engine.executor(objects)
+                        job = planner.TransferJob(cache.layout, [dst], copies)
+                        r = gpu_time(lambda: ex.scatter(job, 0, 0), engine.stream, max(3, reps // 2))
+                        g = gpu_time(gather_all, engine.stream, max(3, reps // 2))
+                        sweep[str(ctas)] = {"retrieve_chunk_major_gpu_ms": statistics.median(r),
+                                            "store_gather_gpu_ms": statistics.median(g)}
+                    engine.max_ctas = default
+                    res["cta_sweep"] = sweep
+            finally:
+                engine.close()
+            out[mode] = res
+    finally:
+        objects.clear()  # drop the views so the pool unmaps
+        store.close()
+        del cache, truth
+        torch.cuda.empty_cache()
+    return out
+
+
+# --- 3. end to end through a server ----------------------------------------------------
+
+
+def _spin_until_released(worker, rid: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while rid not in worker.get_finished():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{rid} never released")
+        time.sleep(2e-5)  # an engine polls between steps; a hot spin would hold the GIL the transport needs
+
+
+def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
+                   widths: list[int]) -> dict[str, Any]:
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.native.cuda_events import CudaEventBackend
+
+    cache = llama_cache(tokens, block_size)
+    nb = tokens // block_size
+    nbytes = cache.layout.object_bytes(tokens)
+    src, dst = list(range(nb)), list(range(nb, 2 * nb))
+    truth = cache.random_kv(tokens, seed=2)
+    cache.write(truth, src)
+    torch.cuda.synchronize()
+    old_env = os.environ.get("KVSTRATA_CUDA_MODE")
+    os.environ["KVSTRATA_CUDA_MODE"] = mode
+    out: dict[str, Any] = {"mode": mode}
+    try:
+        with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING") as srv:
+            backend = CudaEventBackend("cuda:0")
+            client = CacheClient(srv.address, timeout=120.0)
+            worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+            try:
+                t = time.perf_counter()
+                worker.register()
+                out["register_s"] = round(time.perf_counter() - t, 3)
+                gen = torch.Generator().manual_seed(5)
+
+                def prompt() -> list[int]:
+                    return torch.randint(0, 32000, (tokens,), generator=gen).tolist()
+
+                def store(p: list[int], rid: str) -> float:
+                    t0 = time.perf_counter()
+                    r = client.store(CacheKey.for_tokens(rid, p, model="llama"), 0, [src],
+                                     event_handle=backend.store_event_handle())
+                    ms = (time.perf_counter() - t0) * 1e3
+                    assert r["stored_tokens"] == tokens, r
+                    return ms
+
+                retrieve_prompt = prompt()
+                out["first_store_ms"] = store(retrieve_prompt, "warm")
+                runs: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
+                verified = {}
+                stream = torch.cuda.current_stream()
+                for rnd in range(reps + 1):
+                    order = widths[rnd % len(widths):] + widths[:rnd % len(widths)]
+                    for width in order:
+                        rid = f"r{rnd}-w{width}"
+                        key = CacheKey.for_tokens(rid, retrieve_prompt, model="llama")
+                        assert client.lookup(key) == tokens
+                        if rnd == 0:
+                            cache.poison(dst)
+                        torch.cuda.synchronize()
+                        done: list[float] = []
+                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        ev[0].record(stream)
+                        worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                        fut = worker.future_of(rid)
+                        fut.add_done_callback(lambda f: done.append(time.perf_counter()))
+                        _spin_until_released(worker, rid)
+                        for layer in range(cache.num_layers):
+                            worker.wait_for_layer(layer)
+                            if layer == 0:
+                                ev[1].record(stream)
+                        ev[2].record(stream)
+                        fut.result()
+                        worker.wait_all()
+                        torch.cuda.synchronize()
+                        rec = worker.records.pop(rid)
+                        if rec.failure or rec.fallback:
+                            raise RuntimeError(f"retrieve {rid} failed or fell back: {rec}")
+                        if rnd == 0:
+                            verified[width] = bool(cache.read(dst, 0, tokens).equal(truth))
+                            continue
+                        runs[width].append({
+                            "release_ms": (rec.released_at - rec.submitted_at) * 1e3,
+                            "complete_ms": (done[0] - rec.submitted_at) * 1e3,
+                            "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
+                            "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
+                            "released_in_flight": bool(rec.released_before_complete),
+                        })
+                out["verified"] = verified
+                res = {}
+                for width in widths:
+                    rows = runs[width]
+                    res[str(width)] = {k: stats([r[k] for r in rows]) for k in
+                                       ("release_ms", "complete_ms", "gpu_first_layer_ms", "gpu_complete_ms")}
+                    res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
+                    if width != 0:  # paired with the chunk-major retrieve of the same round
+                        res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
+                            [r["complete_ms"] - c["complete_ms"] for r, c in zip(rows, runs[0])])
+                        res[str(width)]["gpu_overhead_vs_chunk_major_ms"] = stats(
+                            [r["gpu_complete_ms"] - c["gpu_complete_ms"] for r, c in zip(rows, runs[0])])
+                out["retrieve"] = res
+                store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
+                out["store_ms"] = stats(store_ms)
+            finally:
+                worker.close()
+                client.close()
+    finally:
+        if old_env is None:
+            os.environ.pop("KVSTRATA_CUDA_MODE", None)
+        else:
+            os.environ["KVSTRATA_CUDA_MODE"] = old_env
+    return out
+
+
+def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
+    h2d = raw["h2d_pinned_ms"]["median"]
+    d2h = raw["d2h_pinned_ms"]["median"]
+    r = e2e["retrieve"]
+    cm = r["0"]["complete_ms"]["median"]
+    out = {
+        "chunk_major_vs_raw": {"value": cm / h2d, "limit": TARGETS["chunk_major_vs_raw"],
+                               "detail": f"chunk-major {cm:.2f} ms vs raw {h2d:.2f} ms"},
+        "store_vs_raw": {"value": e2e["store_ms"]["median"] / d2h, "limit": TARGETS["store_vs_raw"],
+                         "detail": f"store {e2e['store_ms']['median']:.2f} ms vs raw {d2h:.2f} ms"},
+    }
+    if "1" in r:
+        out["width1_release_ms"] = {"value": r["1"]["release_ms"]["median"], "limit": TARGETS["width1_release_ms"]}
+        out["width1_overhead_ms"] = {"value": r["1"]["overhead_vs_chunk_major_ms"]["median"],
+                                     "limit": TARGETS["width1_overhead_ms"]}
+    wide = {w: r[w]["overhead_vs_chunk_major_ms"]["median"] for w in r if w not in ("0", "1")}
+    if wide:
+        worst = max(wide, key=wide.get)
+        out["wide_overhead_ms"] = {"value": wide[worst], "limit": TARGETS["wide_overhead_ms"],
+                                   "detail": {f"w{w}": round(v, 3) for w, v in wide.items()}}
+    for t in out.values():
+        t["met"] = bool(t["value"] <= t["limit"]) if not isinstance(t["value"], str) else False
+        t["value"] = round(t["value"], 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192, help="retrieve length; 8192 at Llama-3.1-8B shapes = 1 GiB")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--modes", default="staged,kernel", help="copy modes, the first is primary (targets)")
+    p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
+    p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: raw,inprocess,server")
+    p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/transfer.py needs a CUDA device", file=sys.stderr)
+        return 2
+    sys.setswitchinterval(1e-4)  # the engine thread polls; transport threads must get the GIL promptly
+    modes = [m for m in args.modes.split(",") if m]
+    widths = [int(w) for w in args.widths.split(",")]
+    skip = set(args.skip.split(","))
+    result: dict[str, Any] = {"benchmark": "transfer", "device": device_info(),
+                              "config": {"tokens": args.tokens, "chunk": args.chunk, "block_size": args.block_size,
+                                         "reps": args.reps, "modes": modes, "widths": widths,
+                                         "model": "Llama-3.1-8B shapes: 32 layers, 8 KV heads x 128, bf16",
+                                         "engine_format": "vllm-LBNHC"},
+                              "errors": {}}
+    from kvstrata.native import cuda_ext
+
+    t = time.perf_counter()
+    cuda_ext.load()
+    result["extension_load_s"] = round(time.perf_counter() - t, 2)
+    nbytes = llama_cache_bytes(args.tokens)
+    phases = [("raw", lambda: measure_raw(nbytes, args.reps)),
+              ("inprocess", lambda: measure_inprocess(args.tokens, args.chunk, args.block_size, args.reps, modes,
+                                                      widths, [int(c) for c in args.cta_sweep.split(",") if c]))]
+    for mode in modes:
+        phases.append((f"server_{mode}", lambda m=mode: measure_server(m, args.tokens, args.chunk, args.block_size,
+                                                                       args.reps, widths)))
+    for name, fn in phases:
+        if name.split("_")[0] in skip:
+            continue
+        t = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as exc:
+            result["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            print(f"[{name}] FAILED: {exc}", file=sys.stderr)
+        print(f"[{name}] {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    primary = f"server_{modes[0]}"
+    if "raw" in result and primary in result:
+        result["targets"] = evaluate(result["raw"], result[primary])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=False)
+    print_summary(result, modes)
+    return 0 if not result["errors"] else 1
+
+
+def llama_cache_bytes(tokens: int) -> int:
+    return tokens * 32 * 2 * 8 * 128 * 2
+
+
+def print_summary(result: dict[str, Any], modes: list[str]) -> None:
+    raw = result.get("raw", {})
+    if raw:
+        print(f"raw H2D {raw['h2d_pinned_ms']['median']:.3f} ms ({raw['h2d_pinned_gbps']} GB/s), "
+              f"registered shm {raw['h2d_registered_shm_ms']['median']:.3f} ms, "
+              f"32 pieces {raw['h2d_registered_shm_32_pieces_ms']['median']:.3f} ms; "
+              f"raw D2H {raw['d2h_pinned_ms']['median']:.3f} ms")
+    for mode in modes:
+        ip = result.get("inprocess", {}).get(mode)
+        if ip:
+            cells = ", ".join(f"w{k[len('retrieve_w'):]} {v['gpu_ms']['median']:.3f}" for k, v in ip.items()
+                              if k.startswith("retrieve_w"))
+            print(f"[in-process {mode}] GPU ms: {cells}; gather {ip['store_gather_gpu_ms']['median']:.3f}; "
+                  f"verified {ip.get('verified')}")
+            if "cta_sweep" in ip:
+                print("  CTA sweep (retrieve/gather GPU ms): " + ", ".join(
+                    f"{c}: {v['retrieve_chunk_major_gpu_ms']:.2f}/{v['store_gather_gpu_ms']:.2f}"
+                    for c, v in ip["cta_sweep"].items()))
+        sv = result.get(f"server_{mode}")
+        if sv:
+            print(f"[server {mode}] store {sv['store_ms']['median']:.3f} ms; verified {sv.get('verified')}")
+            print("  width  release_ms  complete_ms  overhead_ms  gpu_first_ms  gpu_complete_ms")
+            for w, r in sv["retrieve"].items():
+                ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)
+                print(f"  {w:>5}  {r['release_ms']['median']:10.3f}  {r['complete_ms']['median']:11.3f}  "
+                      f"{ov:11.3f}  {r['gpu_first_layer_ms']['median']:12.3f}  {r['gpu_complete_ms']['median']:15.3f}")
+    for name, t in result.get("targets", {}).items():
+        print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
+    for name, err in result.get("errors", {}).items():
+        print(f"error in {name}: {err.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+// Python binding for the kvstrata CUDA kernels (built by kvstrata.native.cuda_ext).
+//
+// Everything crosses as plain integers (device addresses, stream handles): the
+// per-slice call must cost microseconds, and no torch headers keeps the build short.
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "kvstrata_cuda.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void copy(bool scatter, uintptr_t planes, uintptr_t tokens, uint64_t src_base, int64_t n_tok, int32_t kv,
+          int32_t num_layers, int32_t layer_offset, int32_t staged_layers, int32_t src_layers, int32_t src_layer0,
+          int32_t row_bytes, int32_t head_bytes, int64_t head_stride, int vec_bytes, int max_ctas, int device,
+          uintptr_t stream) {
+  kvstrata::CopyDesc d{};
+  d.planes = reinterpret_cast<const uint64_t*>(planes);
+  d.tokens = reinterpret_cast<const int64_t*>(tokens);
+  d.src_base = src_base;
+  d.n_tok = n_tok;
+  d.kv = kv;
+  d.num_layers = num_layers;
+  d.layer_offset = layer_offset;
+  d.staged_layers = staged_layers;
+  d.src_layers = src_layers;
+  d.src_layer0 = src_layer0;
+  d.row_bytes = row_bytes;
+  d.head_bytes = head_bytes;
+  d.head_stride = head_stride;
+  kvstrata::launch_copy(d, scatter, vec_bytes, max_ctas, device, stream);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvstrata scatter/gather kernels with a layer selector (layer_offset, staged_layers)";
+  m.def("copy", &copy, "Launch one scatter (L1 -> engine) or gather (engine -> L1) over a layer slice",
+        py::arg("scatter"), py::arg("planes"), py::arg("tokens"), py::arg("src_base"), py::arg("n_tok"),
+        py::arg("kv"), py::arg("num_layers"), py::arg("layer_offset"), py::arg("staged_layers"),
+        py::arg("src_layers"), py::arg("src_layer0"), py::arg("row_bytes"), py::arg("head_bytes"),
+        py::arg("head_stride"), py::arg("vec_bytes"), py::arg("max_ctas"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "build_table",
+      [](uintptr_t copies, int n_copies, uintptr_t blocks, int64_t row_bytes, int64_t block_size, int64_t block_stride,
+         int64_t token_stride, int64_t n_tok, uintptr_t table, int device, uintptr_t stream) {
+        kvstrata::build_table(reinterpret_cast<const int64_t*>(copies), n_copies,
+                              reinterpret_cast<const int64_t*>(blocks), row_bytes, block_size, block_stride,
+                              token_stride, n_tok, reinterpret_cast<int64_t*>(table), device, stream);
+      },
+      "Build the per-token {staged address, staged layer stride, engine offset} table on the device",
+      py::arg("copies"), py::arg("n_copies"), py::arg("blocks"), py::arg("row_bytes"), py::arg("block_size"),
+      py::arg("block_stride"), py::arg("token_stride"), py::arg("n_tok"), py::arg("table"), py::arg("device"),
+      py::arg("stream"));
+  m.def(
+      "memcpy_runs",
+      [](uintptr_t runs, int64_t n_runs, int device, uintptr_t stream) {
+        kvstrata::memcpy_runs(reinterpret_cast<const int64_t*>(runs), n_runs, device, stream);
+      },
+      "cudaMemcpyAsync each {dst, src, bytes} row of a host int64 array", py::arg("runs"), py::arg("n_runs"),
+      py::arg("device"), py::arg("stream"));
+  m.def(
+      "memcpy2d_runs",
+      [](uintptr_t runs, int64_t n_runs, int device, uintptr_t stream) {
+        kvstrata::memcpy2d_runs(reinterpret_cast<const int64_t*>(runs), n_runs, device, stream);
+      },
+      "one copy-engine job per {dst, dpitch, src, spitch, width, height} row of a host int64 array",
+      py::arg("runs"), py::arg("n_runs"), py::arg("device"), py::arg("stream"));
+  m.def("host_register", &kvstrata::host_register,
+        "Pin (cudaHostRegister, portable + mapped) a host range once; returns its device pointer", py::arg("ptr"),
+        py::arg("size"), py::arg("device"));
+  m.def("host_device_pointer", &kvstrata::host_device_pointer, py::arg("ptr"), py::arg("device"));
+  m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"));
+  m.def("sm_count", &kvstrata::sm_count, py::arg("device"));
+}

@@ -1,0 +1,75 @@
+"""The CUDA event backend: interprocess events say a layer slice's bytes are on the GPU.
+
+Worker side. Each arrival-pool slot owns one interprocess event per layer,
+created once and exported once (64-byte handles sent as bytes with every
+retrieve that uses the slot). The server opens them once, records a slice's
+events on its copy stream right after enqueuing the slice, and only then raises
+the slot's board count: an event that was never recorded reports complete, so
+the count is what makes an event safe to wait on (see ``core/arrival_board``).
+
+``wait`` makes the engine's current stream wait for the event on the GPU; it
+never blocks the CPU, so the engine keeps enqueuing work for later layers while
+earlier ones are still landing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _device_index(device: str | int | torch.device) -> int:
+    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if d.type != "cuda":
+        raise ValueError(f"CudaEventBackend needs a CUDA device, got {device!r}")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+class CudaEventBackend:
+    name = "cuda"
+
+    def __init__(self, device: str | int | torch.device = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaEventBackend needs a CUDA device; torch.cuda.is_available() is False")
+        self.index = _device_index(device)
+        self.device = f"cuda:{self.index}"
+        self._store_event: torch.cuda.Event | None = None
+        self._store_handle = b""
+
+    def create_layer_events(self, count: int) -> list[Any]:
+        """``count`` interprocess events (timing disabled, as CUDA IPC requires)."""
+        with torch.cuda.device(self.index):
+            return [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True) for _ in range(count)]
+
+    def export(self, events: list[Any]) -> list[bytes] | None:
+        with torch.cuda.device(self.index):
+            return [bytes(e.ipc_handle()) for e in events]
+
+    def export_one(self, event: torch.cuda.Event) -> bytes:
+        """The wire handle of one interprocess event (e.g. the event a STORE waits on)."""
+        with torch.cuda.device(self.index):
+            return bytes(event.ipc_handle())
+
+    def wait(self, event: Any) -> None:
+        """Make the engine's current stream wait for ``event``; returns at once."""
+        if event is None:
+            return
+        torch.cuda.current_stream(self.index).wait_event(event)
+
+    def store_event_handle(self, stream: torch.cuda.Stream | None = None) -> bytes:
+        """Record this backend's STORE event on ``stream`` (default: current) and return its handle.
+
+        The server makes its copy stream wait on it before gathering, so a STORE
+        reads the KV only after the engine's forward pass wrote it. One event is
+        reused for every store and exported once: the server caches opened
+        events by handle, and re-recording only ever makes a later wait stricter.
+        """
+        with torch.cuda.device(self.index):
+            if self._store_event is None:
+                self._store_event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                self._store_event.record(stream or torch.cuda.current_stream(self.index))
+                self._store_handle = bytes(self._store_event.ipc_handle())
+            else:
+                self._store_event.record(stream or torch.cuda.current_stream(self.index))
+            return self._store_handle

@@ -1,0 +1,117 @@
+"""The server's handle on an engine's KV cache that lives on a GPU (``cuda_ipc`` regions).
+
+Implements :class:`kvstrata.core.targets.Target`. At registration it opens the
+engine's regions from CUDA IPC, pins the server's L1 pool once per process and
+builds a :class:`~kvstrata.native.cuda_executor.CudaTransferEngine` with its own
+stream; every copy for this engine runs on that stream, from pinned L1 memory.
+
+Events: the worker's per-layer interprocess events arrive as handle bytes with
+every retrieve; each is opened once and cached by its bytes (a pool slot's
+handles never change). ``record`` records on the copy stream after the slice
+was enqueued; the server raises the arrival count only afterwards.
+
+If the CUDA extension cannot be built, the target still works through the
+pure-torch executor and reports ``native_available = False``, so layer-major
+requests fall back to chunk-major (logged once) instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from kvstrata.core.layouts import LayoutError, PagedKVLayout
+from kvstrata.core.planner import Executor
+
+from . import cuda_ipc
+from .cuda_executor import CudaTransferConfig, CudaTransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class CudaIpcTarget:
+    def __init__(self, layout: PagedKVLayout, pool: torch.Tensor, config: CudaTransferConfig | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise LayoutError("the engine registered a CUDA cache but this server sees no CUDA device")
+        indices = {cuda_ipc.device_index_for(r.handle) for r in layout.regions}
+        if len(indices) != 1:
+            raise LayoutError(f"a registered cache must live on one GPU; its regions are on devices {sorted(indices)}")
+        self.index = indices.pop()
+        self.device = f"cuda:{self.index}"
+        self.layout = layout
+        config = config or CudaTransferConfig()
+        self._regions = [cuda_ipc.open_region(r) for r in layout.regions]
+        self.native_available = True
+        try:
+            self.engine = CudaTransferEngine(layout, self._regions, pool, self.index, config)
+        except Exception as exc:
+            from .cuda_ext import CudaExtensionError
+
+            if not isinstance(exc, CudaExtensionError):
+                raise
+            log.error("CUDA transfers for this cache use the pure-torch fallback: %s", exc)
+            self.native_available = False
+            config.mode = "torch"
+            self.engine = CudaTransferEngine(layout, self._regions, pool, self.index, config)
+        self._events: dict[bytes, torch.cuda.Event] = {}
+        self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
+        self._events_lock = threading.Lock()
+        log.info("CUDA target on %s (%s): %s copies, up to %d CTAs per launch", self.device,
+                 torch.cuda.get_device_name(self.index), self.engine.config.mode, self.engine.max_ctas)
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        return self.engine.stream
+
+    def executor(self, objects: Sequence[torch.Tensor]) -> Executor:
+        return self.engine.executor(objects)
+
+    def _event(self, handle: bytes) -> torch.cuda.Event:
+        ev = self._events.get(handle)
+        if ev is None:
+            if len(handle) != 64:
+                raise LayoutError(f"a CUDA IPC event handle is 64 bytes, got {len(handle)}")
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(self.index, handle)
+            except RuntimeError as exc:
+                raise LayoutError(f"cannot open the engine's CUDA IPC event: {exc}") from None
+            self._events[handle] = ev
+        return ev
+
+    def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
+        """The opened events for a handle list; each handle is opened once per process."""
+        if not handles:
+            return None
+        key = tuple(handles)
+        with self._events_lock:
+            hit = self._event_lists.get(key)
+            if hit is None:
+                hit = [self._event(h) for h in key]
+                self._event_lists[key] = hit
+            return hit
+
+    def record(self, event: Any) -> None:
+        event.record(self.engine.stream)
+
+    def wait_for_engine(self, event_handle: bytes | None) -> None:
+        """STORE: make the copy stream wait (on the GPU) for the engine's event before gathering."""
+        if event_handle:
+            with self._events_lock:
+                ev = self._event(event_handle)
+            self.engine.stream.wait_event(ev)
+
+    def finish(self) -> None:
+        self.engine.synchronize()
+
+    def close(self) -> None:
+        try:
+            self.engine.synchronize()
+        except RuntimeError as exc:  # a dead engine process can leave the context unusable
+            log.warning("CUDA target on %s: final synchronize failed: %s", self.device, exc)
+        self.engine.close()
+        self._event_lists.clear()
+        self._events.clear()
+        self._regions.clear()

@@ -1,0 +1,227 @@
+"""The CUDA executors in-process, against the engines' own views and the pure-torch oracle.
+
+No server here: the L1 pool is a real L1Store (shared memory, pinned once), the
+caches are allocated the way each engine allocates them, and every width's
+result is compared byte for byte with what was stored and with the torch
+reference running the same plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvstrata.core import planner
+from kvstrata.core.l1_store import L1Store
+
+from gpu_helpers import FORMAT_CASES, WIDTHS, shuffled_blocks
+
+CHUNK = 64
+TOKENS = 150  # two full chunks and a partial one
+SKIP = 10  # the first copy starts inside its chunk
+
+
+def make_cache(fmt: str, dtype: str, num_blocks: int):
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    return GpuKVCache(fmt, num_layers=32, num_heads=2, head_size=64, dtype=dtype, num_blocks=num_blocks,
+                      block_size=16)
+
+
+def make_engine(cache, store: L1Store, mode: str, **config):
+    from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
+
+    engine = CudaTransferEngine(cache.layout, cache.region_tensors(), store.pool, 0,
+                                CudaTransferConfig(mode=mode, **config))
+    _engines.append(engine)
+    return engine
+
+
+def store_objects(store: L1Store, cache, truth: torch.Tensor) -> list[torch.Tensor]:
+    """L1 objects holding ``truth`` (canonical bytes) in chunks, as a STORE leaves them."""
+    host = truth.cpu()
+    objects = []
+    for i, start in enumerate(range(0, host.shape[2], CHUNK)):
+        n = min(CHUNK, host.shape[2] - start)
+        obj = store.reserve(os.urandom(16), n, cache.layout.object_bytes(n), cache.layout.shape_signature())
+        view = store.object_view(obj)
+        view.copy_(host[:, :, start:start + n])
+        store.commit(obj)
+        objects.append(view)
+    return objects
+
+
+def retrieve_job(cache, objects, blocks, skip=SKIP):
+    copies = planner.plan_copies([o.shape[2] for o in objects], CHUNK, 0, skip)
+    return planner.TransferJob(cache.layout, [blocks], copies)
+
+
+_engines: list = []
+
+
+@pytest.fixture(scope="module")
+def l1():
+    store = L1Store(64 << 20)
+    yield store
+    for engine in _engines:  # unpin before the pool's memory is unmapped
+        engine.close()
+    _engines.clear()
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["kernel", "staged", "torch"])
+@pytest.mark.parametrize("fmt,dtype", FORMAT_CASES)
+def test_every_width_scatters_the_stored_bytes(l1, fmt, dtype, mode):
+    nb = -(-TOKENS // 16)
+    cache = make_cache(fmt, dtype, num_blocks=(len(WIDTHS) + 1) * nb + 4)
+    engine = make_engine(cache, l1, mode)
+    truth = cache.random_kv(TOKENS, seed=hash((fmt, dtype)) & 0xFFFF)
+    objects = store_objects(l1, cache, truth)
+    results = {}
+    for i, width in enumerate([0] + WIDTHS):
+        dst = shuffled_blocks(i * nb, nb, seed=i)
+        cache.poison(dst)
+        job = retrieve_job(cache, objects, dst)
+        planner.run_transfer(engine.executor(objects), job, width)
+        engine.synchronize()
+        got = cache.read(dst, SKIP, TOKENS)
+        results[width] = got
+        assert got.equal(truth[:, :, SKIP:]), f"{fmt}/{dtype} {mode}: width {width} differs from the stored bytes"
+        # tokens before the skip were not asked for and must be left alone
+        assert (cache.read(dst, 0, SKIP) == 0xA5).all(), f"width {width} wrote skipped tokens"
+    for width in WIDTHS:
+        for layer in range(cache.num_layers):
+            assert results[width][:, layer].equal(results[0][:, layer]), (width, layer)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "staged", "torch"])
+@pytest.mark.parametrize("fmt,dtype", FORMAT_CASES)
+def test_gather_reads_the_engine_blocks(l1, fmt, dtype, mode):
+    nb = -(-TOKENS // 16)
+    cache = make_cache(fmt, dtype, num_blocks=nb + 3)
+    engine = make_engine(cache, l1, mode)
+    truth = cache.random_kv(TOKENS, seed=7)
+    blocks = shuffled_blocks(2, nb, seed=3)
+    cache.write(truth, blocks)
+    torch.cuda.synchronize()
+    for start in range(0, TOKENS, CHUNK):
+        n = min(CHUNK, TOKENS - start)
+        obj = l1.reserve(os.urandom(16), n, cache.layout.object_bytes(n), cache.layout.shape_signature())
+        view = l1.object_view(obj)
+        view.fill_(0x5A)
+        job = planner.TransferJob(cache.layout, [blocks], [planner.ChunkCopy(0, 0, n, start)])
+        engine.executor([view]).gather(job)
+        engine.synchronize()
+        assert view.equal(truth[:, :, start:start + n].cpu()), f"{fmt}/{dtype} {mode}: chunk at {start}"
+        l1.abandon(obj)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("sglang", "bfloat16"), ("vllm-mla", "bfloat16")])
+def test_copy_engine_writes_dense_layouts_directly(l1, fmt, dtype):
+    """Staged mode with consecutive blocks: the copy engine writes the cache, no staging, no kernel."""
+    nb = -(-TOKENS // 16)
+    cache = make_cache(fmt, dtype, num_blocks=2 * nb + 2)
+    engine = make_engine(cache, l1, "staged", direct_copy_min_run=0)
+    truth = cache.random_kv(TOKENS, seed=11)
+    objects = store_objects(l1, cache, truth)
+    for width in [0, 1, 3]:
+        dst = list(range(nb + 1, 2 * nb + 1))
+        cache.poison(dst)
+        job = retrieve_job(cache, objects, dst, skip=0)
+        ex = engine.executor(objects)
+        assert ex._direct_runs(job, 0, 1) is not None, "expected the direct copy-engine path"
+        planner.run_transfer(ex, job, width)
+        engine.synchronize()
+        assert cache.read(dst, 0, TOKENS).equal(truth), f"width {width}"
+    assert not engine._staging, "direct copies must not allocate a staging buffer"
+
+
+def test_layer_selector_defaults_reproduce_all_layer_addressing(l1):
+    """staged_layers = all and layer_offset = 0 is the chunk-major launch, byte for byte."""
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=24)
+    engine = make_engine(cache, l1, "kernel")
+    truth = cache.random_kv(TOKENS, seed=5)
+    objects = store_objects(l1, cache, truth)
+    a, b = shuffled_blocks(0, 10, 1), shuffled_blocks(12, 10, 2)
+    cache.poison(a + b)
+    ex = engine.executor(objects)
+    ex.scatter(retrieve_job(cache, objects, a), 0, 0)  # chunk-major: the default selector
+    job_b = retrieve_job(cache, objects, b)
+    ex2 = engine.executor(objects)
+    ex2.scatter(job_b, 0, cache.num_layers)  # one explicit slice of every layer
+    engine.synchronize()
+    assert cache.read(a, SKIP, TOKENS).equal(cache.read(b, SKIP, TOKENS))
+
+
+def test_staging_is_sized_to_the_slice_not_to_all_layers(l1):
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=12)
+    engine = make_engine(cache, l1, "staged")
+    truth = cache.random_kv(TOKENS, seed=9)
+    objects = store_objects(l1, cache, truth)
+    dst = shuffled_blocks(0, 10, 4)
+    planner.run_transfer(engine.executor(objects), retrieve_job(cache, objects, dst), 1)
+    engine.synchronize()
+    one_layer = cache.kv_size * (TOKENS - SKIP) * cache.layout.token_bytes_per_layer
+    assert engine._staging and max(t.numel() for t in engine._staging) == one_layer
+    assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:])
+
+
+def test_unpinned_objects_are_refused_with_a_clear_error(l1):
+    from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
+
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=12)
+    engine = CudaTransferEngine(cache.layout, cache.region_tensors(), None, 0, CudaTransferConfig(mode="kernel"))
+    stray = torch.zeros(cache.layout.object_shape(16), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not pinned"):
+        engine.executor([stray])
+
+
+@pytest.mark.parametrize("mode", ["kernel", "staged"])
+@pytest.mark.parametrize("fmt,dtype", [("vllm-LBNHC", "bfloat16"), ("trtllm", "float8_e4m3fn"), ("sglang-mla", "bfloat16")])
+def test_whole_chunks_every_width(l1, fmt, dtype, mode):
+    """Whole objects only (no skip, no partial chunk): staged mode plans one piece and shifts it per slice."""
+    tokens = 3 * CHUNK
+    nb = tokens // 16
+    cache = make_cache(fmt, dtype, num_blocks=7 * nb)
+    engine = make_engine(cache, l1, mode)
+    truth = cache.random_kv(tokens, seed=21)
+    objects = store_objects(l1, cache, truth)
+    for i, width in enumerate([0, 1, 2, 3, 8, 32]):
+        dst = shuffled_blocks(i * nb, nb, seed=40 + i)
+        cache.poison(dst)
+        planner.run_transfer(engine.executor(objects), retrieve_job(cache, objects, dst, skip=0), width)
+        engine.synchronize()
+        assert cache.read(dst, 0, tokens).equal(truth), f"{fmt} {mode} width {width}"
+
+
+@pytest.mark.parametrize("mode", ["kernel", "staged"])
+def test_hybrid_layout_matches_the_torch_oracle(l1, mode):
+    """Two KV groups with their own block tables (hybrid model): the native path walks each group's
+    layer runs; the pure-torch reference running the same plan is the oracle."""
+    import dataclasses
+
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=48)
+    layout = dataclasses.replace(cache.layout, layer_groups=(tuple(range(0, 32, 2)), tuple(range(1, 32, 2))))
+    native = make_engine(cache, l1, mode)
+    native.layout = layout
+    oracle = make_engine(cache, l1, "torch")
+    oracle.layout = layout
+    truth = cache.random_kv(TOKENS, seed=33)
+    objects = store_objects(l1, cache, truth)
+    nb = -(-TOKENS // 16)
+    groups_a = [shuffled_blocks(0, nb, 1), shuffled_blocks(nb, nb, 2)]
+    groups_b = [shuffled_blocks(2 * nb, nb, 3), shuffled_blocks(3 * nb, nb, 4)]
+    for width in (0, 1, 3):
+        cache.poison(groups_a[0] + groups_a[1] + groups_b[0] + groups_b[1])
+        copies = planner.plan_copies([o.shape[2] for o in objects], CHUNK, 0, SKIP)
+        planner.run_transfer(native.executor(objects), planner.TransferJob(layout, groups_a, copies), width)
+        planner.run_transfer(oracle.executor(objects), planner.TransferJob(layout, groups_b, copies), width)
+        native.synchronize()
+        oracle.synchronize()
+        for layer in range(32):
+            g = layer % 2
+            got = cache.read(groups_a[g], SKIP, TOKENS, [layer])
+            assert got.equal(cache.read(groups_b[g], SKIP, TOKENS, [layer])), (width, layer)
+            assert got.equal(truth[:, layer:layer + 1, SKIP:]), (width, layer)
