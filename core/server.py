@@ -23,6 +23,7 @@ from .l1_store import L1Store, StoreFull, StoredObject
 from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from .protocol import RequestType
 from .targets import Target, open_target
+from .shm import sweep_stale_segments
 from .transport import Server
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class CacheServer:
         if config.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
         self.config = config
+        sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
         self._instances: dict[int, _Instance] = {}
         self._boards: dict[str, ArrivalBoard] = {}

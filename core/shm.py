@@ -8,16 +8,62 @@ unlinks a segment it does not own when it exits; the creator unlinks explicitly.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import re
 import secrets
 import stat
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 
 
 def new_segment_name(prefix: str) -> str:
     return f"kvstrata-{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+_OURS = re.compile(r"^kvstrata-.+-(\d+)-[0-9a-f]{8}$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink this user's kvstrata segments whose creating process no longer exists.
+
+    A process killed with SIGKILL cannot unlink what it created, and an L1
+    pool left in /dev/shm keeps its memory. Every name carries its creator's
+    pid (:func:`new_segment_name`), so a server starting up removes what dead
+    processes left, and logs each removal.
+    """
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = _OURS.match(name)
+        if m is None or _process_alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+        log.warning("removed shared-memory segment %s left by process %s, which no longer exists", name, m.group(1))
+    return removed
 
 
 def _path(name: str) -> str:

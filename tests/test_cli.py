@@ -58,3 +58,22 @@ def test_demo_runs_and_checks_every_byte():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "32/32 layers byte-exact" in out.stdout and "transfer still in flight" in out.stdout
     assert out.stdout.strip().endswith("ok")
+
+
+def test_a_starting_server_removes_segments_left_by_dead_processes(tmp_path):
+    from kvstrata.core.shm import SHM_DIR, Segment
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Segment(f"kvstrata-l1-{dead.pid}-0123abcd", 4096, create=True)
+    alive = Segment.create("engine", 4096)  # this process's: must survive
+    try:
+        with ServerProcess(l1_bytes=8 << 20, log_level="WARNING"):
+            pass
+        assert not os.path.exists(os.path.join(SHM_DIR, stale.name))
+        assert os.path.exists(os.path.join(SHM_DIR, alive.name))
+    finally:
+        stale.close()
+        stale.unlink()
+        alive.destroy()
