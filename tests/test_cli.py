@@ -77,3 +77,14 @@ def test_a_starting_server_removes_segments_left_by_dead_processes(tmp_path):
         stale.close()
         stale.unlink()
         alive.destroy()
+
+
+def test_a_server_that_never_answers_is_not_left_running():
+    import pytest
+
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    sp = ServerProcess(l1_bytes=8 << 20)
+    with pytest.raises(TimeoutError, match="did not answer PING"):
+        sp.start(timeout=0.01)
+    assert sp.proc.poll() is not None

@@ -29,18 +29,22 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         client = CacheClient(self.address, timeout=1.0)
+        started = False
         try:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"kvstrata serve exited with {self.proc.returncode} during start-up")
                 try:
                     client.ping(timeout=0.5)
+                    started = True
                     return self
                 except (RequestTimeout, RemoteError):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"kvstrata serve did not answer PING on {self.address}") from None
         finally:
             client.close()
+            if not started:
+                self.kill()  # a server that never answered must not outlive the caller
 
     def kill(self) -> None:
         """SIGKILL: the server dies mid-whatever, as a crash would."""
