@@ -59,7 +59,7 @@ def install_tracing(path: str) -> None:
 
         setattr(owner, attr, wrapper)
 
-    wrap(transport.Server, "_dispatch", "recv", "dispatched")
+    wrap(transport.Server, "_dispatch", "recv", None)
     wrap(server_mod.CacheServer, "retrieve", "handler_in", "handler_out")
     wrap(server_mod.CacheServer, "_locked_objects", None, "objects_located")
     wrap(cuda_target.CudaIpcTarget, "open_layer_events", None, "events_opened")

@@ -1,25 +1,34 @@
-"""ZMQ transport: a ROUTER server loop and a DEALER client with futures.
+"""ZMQ transport: a ROUTER server and a DEALER client with futures, tuned for few thread hand-offs.
 
-ZMQ sockets must not be touched by two threads at once, so each side has exactly
-one thread that owns its network socket. Other threads hand it outgoing frames
-through an ``inproc`` PUSH socket of their own (one per thread, created lazily),
-which the owner polls next to the network socket.
+A request's latency is mostly thread wake-ups, not bytes: each hand-off from one
+Python thread to another costs tens of microseconds, more under GIL contention.
+So neither side funnels its sends through an owner thread. Each side's network
+socket is a :class:`SharedSocket`: any thread may use it while holding its lock
+(ZMQ sockets are not thread-safe, but may be used by several threads with a full
+memory barrier between uses, which a lock gives).
 
-The server runs non-blocking handlers (PING, LOOKUP, ...) inline on its loop and
-hands blocking ones (STORE, RETRIEVE, registration) to a thread pool, so one slow
-transfer never stalls a PING or a LOOKUP.
+Server: a small pool of threads takes turns waiting on the socket (one waits,
+the others wait to be next). The thread that receives a request handles it
+itself, PING and LOOKUP as well as STORE and RETRIEVE, and sends the reply; the
+next thread is already waiting. At most ``transfer_threads`` threads run
+blocking handlers at once, so one thread is always left to answer PING and
+LOOKUP while transfers copy; blocking requests beyond that wait in a queue.
+
+Client: the caller's thread sends; one I/O thread waits for replies and
+resolves futures.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
+import select
 import stat
 import tempfile
 import threading
-import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
@@ -30,6 +39,9 @@ from .protocol import DECLARATIONS, ProtocolError, RequestType, check_handler_si
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
+
+_POLL_MS = 100
+"""How long a waiting thread sleeps on the socket before it checks for shutdown."""
 
 
 class RemoteError(RuntimeError):
@@ -73,53 +85,67 @@ def check_bind_address(address: str, allow_remote: bool = False) -> None:
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
 
 
-class _Outbox:
-    """Per-thread inproc PUSH sockets feeding one PULL socket owned by a loop thread."""
+class SharedSocket:
+    """A ZMQ socket that several threads use in turn, each operation under one lock.
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self._ctx = ctx
-        self._endpoint = endpoint
-        self._local = threading.local()
-        self._sockets: list[zmq.Socket] = []
+    A waiter sleeps on the socket's file descriptor, which ZMQ signals on a state
+    change and resets on any operation, including another thread's send. So every
+    holder of the lock drains what is readable into :attr:`inbox` before letting
+    go: a message whose signal a sender absorbed is then already in the inbox, and
+    the sender (who knows to look) handles it. Nothing waits on a signal that was
+    consumed.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.inbox: collections.deque[list[bytes]] = collections.deque()
         self._lock = threading.Lock()
-        self._closed = False
+        self._poll = select.poll()
+        self._poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
 
-    def send(self, frames: list[bytes]) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("transport is closed")
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(self._endpoint)
-                self._sockets.append(sock)
-            self._local.sock = sock
-        sock.send_multipart(frames, copy=False)
+    def send(self, frames: list[Any]) -> None:
+        with self._lock:
+            self.sock.send_multipart(frames, copy=False)
+            self._drain()
+
+    def wait(self, timeout_ms: int) -> None:
+        """Sleep until the socket may have input (or the timeout), then drain it. One waiter at a time."""
+        if not self.inbox:
+            self._poll.poll(timeout_ms)
+        with self._lock:
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.inbox.append(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            for s in self._sockets:
-                s.close(linger=0)
-            self._sockets.clear()
+            self.sock.close(linger=0)
 
 
 class Server:
     """Serves registered handlers on one ROUTER socket until :meth:`stop`."""
 
     def __init__(self, address: str, *, transfer_threads: int = 4, allow_remote: bool = False) -> None:
+        if transfer_threads < 1:
+            raise ValueError(f"transfer_threads must be at least 1, got {transfer_threads}")
         check_bind_address(address, allow_remote)
         self.address = address
+        self.transfer_threads = transfer_threads
         self._handlers: dict[RequestType, Handler] = {}
         self._ctx = zmq.Context()
-        self._executor = ThreadPoolExecutor(max_workers=transfer_threads, thread_name_prefix="kvstrata-transfer")
-        self._inproc = f"inproc://kvstrata-server-out-{uuid.uuid4().hex}"
-        self._outbox = _Outbox(self._ctx, self._inproc)
+        self._sock: SharedSocket | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._bound = threading.Event()
-        self._bind_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._turn = threading.Lock()  # held by the one thread waiting on the socket
+        self._work = threading.Condition()
+        self._blocking_running = 0
+        self._blocking_queued: collections.deque[tuple[bytes, codec.Request]] = collections.deque()
+        self._counts = threading.Lock()
         self.requests_served = 0
         self.requests_rejected = 0
 
@@ -132,18 +158,34 @@ class Server:
         missing = [rt.name for rt in RequestType if rt not in self._handlers]
         if missing:
             raise ProtocolError(f"no handler registered for {', '.join(missing)}")
-        self._thread = threading.Thread(target=self._loop, name="kvstrata-server-loop", daemon=True)
-        self._thread.start()
-        self._bound.wait()
-        if self._bind_error is not None:
-            raise self._bind_error
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            old_umask = os.umask(0o077)  # the IPC socket file is private to this user
+            try:
+                router.bind(self.address)
+            finally:
+                os.umask(old_umask)
+        except BaseException:
+            router.close(0)
+            raise
+        if self.address.endswith(":0"):
+            self.address = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sock = SharedSocket(router)
+        # one thread per concurrent blocking handler, plus one that is always free to answer PING
+        for i in range(self.transfer_threads + 1):
+            t = threading.Thread(target=self._serve, name=f"kvstrata-server-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._outbox.close()
+        for t in self._threads:
+            t.join(timeout=10)
+        if self._sock is not None:
+            self._sock.close()
         self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -151,108 +193,115 @@ class Server:
             except FileNotFoundError:
                 pass
 
-    # --- loop thread ---------------------------------------------------------------
+    def _count(self, served: bool) -> None:
+        with self._counts:
+            if served:
+                self.requests_served += 1
+            else:
+                self.requests_rejected += 1
 
-    def _loop(self) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        try:
-            pull.bind(self._inproc)
-            old_umask = os.umask(0o077)  # the IPC socket file is private to this user
+    # --- server threads --------------------------------------------------------------
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stop.is_set():
+            queued = self._take_queued_blocking()
+            if queued is not None:
+                self._run_blocking(*queued)
+                continue
             try:
-                router.bind(self.address)
-            finally:
-                os.umask(old_umask)
-            if self.address.endswith(":0"):
-                self.address = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        except BaseException as exc:  # surfaced to start()
-            self._bind_error = exc
-            self._bound.set()
-            router.close(0)
-            pull.close(0)
-            return
-        self._bound.set()
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(timeout=100))
-                if pull in events:
-                    while True:
-                        try:
-                            frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        router.send_multipart(frames, copy=False)
-                if router in events:
-                    while True:
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._dispatch(router, frames)
-        finally:
-            router.close(0)
-            pull.close(0)
+                frames = sock.inbox.popleft()
+            except IndexError:
+                # Nothing to do: wait on the socket, or (if another thread already does) for the turn to.
+                if self._turn.acquire(timeout=_POLL_MS / 1e3):
+                    try:
+                        sock.wait(_POLL_MS)
+                    finally:
+                        self._turn.release()
+                continue
+            self._dispatch(frames)
 
-    def _dispatch(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        identity, body = frames[0], frames[-1]
+    def _take_queued_blocking(self) -> tuple[bytes, codec.Request] | None:
+        with self._work:
+            if self._blocking_queued and self._blocking_running < self.transfer_threads:
+                self._blocking_running += 1
+                return self._blocking_queued.popleft()
+        return None
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        """Decode one request and answer it on this thread (blocking ones only while a slot is free)."""
         if len(frames) != 2:
             log.warning("dropping a message of %d frames (expected identity + one frame)", len(frames))
-            self.requests_rejected += 1
+            self._count(False)
             return
+        identity, body = frames
         try:
             request = codec.decode_request(body)
             DECLARATIONS[request.request_type].validate(request.payload)
         except (codec.DecodeError, ProtocolError) as exc:
-            self.requests_rejected += 1
+            self._count(False)
             rid = codec.peek_request_id(body)
             log.warning("rejected request %s: %s", rid, exc)
-            router.send_multipart([identity, codec.encode_reply(rid if rid is not None else -1, False, str(exc))])
+            self._send(identity, codec.encode_reply(rid if rid is not None else -1, False, str(exc)))
             return
+        if not DECLARATIONS[request.request_type].blocking:
+            self._send(identity, self._run(request))
+            return
+        with self._work:
+            if self._blocking_running >= self.transfer_threads:
+                self._blocking_queued.append((identity, request))
+                return
+            self._blocking_running += 1
+        self._run_blocking(identity, request)
+
+    def _run_blocking(self, identity: bytes, request: codec.Request) -> None:
+        try:
+            self._send(identity, self._run(request))
+        finally:
+            with self._work:
+                self._blocking_running -= 1
+
+    def _send(self, identity: bytes, reply: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send([identity, reply])
+        except zmq.ZMQError as exc:
+            if not self._stop.is_set():
+                log.warning("could not send a reply: %s", exc)
+
+    def _run(self, request: codec.Request) -> bytes:
         handler = self._handlers[request.request_type]
-        if DECLARATIONS[request.request_type].blocking:
-            self._executor.submit(self._run_blocking, identity, request, handler)
-        else:
-            router.send_multipart([identity, self._run(request, handler)])
-
-    def _run_blocking(self, identity: bytes, request: codec.Request, handler: Handler) -> None:
-        self._outbox.send([identity, self._run(request, handler)])
-
-    def _run(self, request: codec.Request, handler: Handler) -> bytes:
         try:
             result = handler(*request.payload)
-            self.requests_served += 1
+            self._count(True)
             return codec.encode_reply(request.request_id, True, result)
         except Exception as exc:
-            self.requests_rejected += 1
+            self._count(False)
             log.warning("%s request %d failed: %s", request.request_type.name, request.request_id, exc,
                         exc_info=log.isEnabledFor(logging.DEBUG))
             return codec.encode_reply(request.request_id, False, f"{request.request_type.name}: {exc}")
 
 
 class Client:
-    """Sends requests from any thread; replies resolve futures on one I/O thread."""
+    """Sends requests from the caller's thread; replies resolve futures on one I/O thread."""
 
     def __init__(self, address: str, *, default_timeout: float = 30.0) -> None:
         self.address = address
         self.default_timeout = default_timeout
         self._ctx = zmq.Context()
-        self._inproc = f"inproc://kvstrata-client-out-{uuid.uuid4().hex}"
-        self._outbox = _Outbox(self._ctx, self._inproc)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+        dealer.connect(address)
+        self._sock = SharedSocket(dealer)
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[RequestType, Future]] = {}
         self._pending_lock = threading.Lock()
+        self._closed = False
         self._stop = threading.Event()
-        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
         self._thread.start()
-        self._ready.wait()
 
     def submit(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...]) -> Future:
         """Send a request and return a future for its value (RemoteError on an error reply).
@@ -270,8 +319,7 @@ class Client:
         fut: Future = Future()
         with self._pending_lock:
             self._pending[rid] = (request_type, fut)
-        frame = codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload])
-        self._outbox.send([frame])
+        self._send(codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload]))
         return fut
 
     def send_oneway(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...]) -> None:
@@ -281,11 +329,17 @@ class Client:
         """
         payload = list(payload)
         DECLARATIONS[request_type].validate(payload)
-        self._outbox.send([codec._pack([codec.WIRE_VERSION, next(self._ids), int(request_type), payload])])
+        self._send(codec._pack([codec.WIRE_VERSION, next(self._ids), int(request_type), payload]))
 
     def send_raw(self, frame: bytes) -> None:
         """Send an arbitrary frame (for robustness tests); any reply is dropped unless it matches a future."""
-        self._outbox.send([frame])
+        self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
+        if self._closed:
+            raise RuntimeError("transport is closed")
+        self._sock.send([frame])
+        self._resolve_inbox()  # replies this send drained are ours to resolve (see SharedSocket)
 
     def call(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...] = (),
              timeout: float | None = None) -> Any:
@@ -316,10 +370,13 @@ class Client:
                 fut.set_exception(RemoteError(f"{RequestType(rt).name if isinstance(rt, int) else rt}: {reason}"))
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=5)
         self.fail_pending("client closed")
-        self._outbox.close()
+        self._sock.close()
         self._ctx.term()
 
     def __enter__(self) -> "Client":
@@ -329,37 +386,22 @@ class Client:
         self.close()
 
     def _loop(self) -> None:
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
-        dealer.connect(self.address)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.bind(self._inproc)
-        self._ready.set()
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(timeout=50))
-                if pull in events:
-                    while True:
-                        try:
-                            frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        dealer.send_multipart(frames, copy=False)
-                if dealer in events:
-                    while True:
-                        try:
-                            frame = dealer.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._resolve(frame)
-        finally:
-            dealer.close(0)
-            pull.close(0)
+        while not self._stop.is_set():
+            try:
+                self._sock.wait(_POLL_MS // 2)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            self._resolve_inbox()
+
+    def _resolve_inbox(self) -> None:
+        while True:
+            try:
+                frames = self._sock.inbox.popleft()
+            except IndexError:
+                return
+            self._resolve(frames[-1])
 
     def _resolve(self, frame: bytes) -> None:
         try:
