@@ -10,6 +10,11 @@ on its copy stream, so each slice's GPU completion is placed on the same clock.
     python benchmarks/profile_retrieve.py --tokens 8192 --widths 0,1,32 --reps 3
 
 Prints, per width, the median offset of every step from the engine's submit.
+
+``--device cpu`` profiles the same request path without a GPU: the reference
+engine's shared-memory cache with the GPU run's counts (32 layers, 256-token
+chunks, 16-token blocks) but a one-head, two-byte model, so the copies are small
+and what shows is the host work around them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ def install_tracing(path: str) -> None:
 
     from kvstrata.core import arrival_board, planner, transport
     from kvstrata.core import server as server_mod
-    from kvstrata.native import cuda_executor, cuda_target
+    from kvstrata.native import reference
 
     out = open(path, "a", buffering=1)
     lock = threading.Lock()
@@ -61,15 +66,23 @@ def install_tracing(path: str) -> None:
 
     wrap(transport.Server, "_dispatch", "recv", None)
     wrap(server_mod.CacheServer, "retrieve", "handler_in", "handler_out")
-    wrap(server_mod.CacheServer, "_locked_objects", None, "objects_located")
-    wrap(cuda_target.CudaIpcTarget, "open_layer_events", None, "events_opened")
-    wrap(cuda_target.CudaIpcTarget, "executor", "executor_in", "executor_out")
-    wrap(cuda_executor.CudaExecutor, "_table", "table_in", "table_out")
-    wrap(cuda_executor.CudaExecutor, "gather", "gather_in", "gather_out")
+    wrap(server_mod.CacheServer, "_locked_objects", "locate_in", "objects_located")
+    wrap(server_mod.CacheServer, "_instance", None, "instance")
+    wrap(server_mod.CacheServer, "_retrieve_into_cache", "into_cache", None)
     wrap(server_mod.CacheServer, "store_kv", "store_in", "store_out")
     wrap(arrival_board.ArrivalBoard, "publish", None, "publish")
     wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
     wrap(transport.Server, "_run_blocking", None, "reply_sent")
+    if not torch.cuda.is_available():
+        wrap(reference.ReferenceExecutor, "scatter", "scatter_in", "scatter_out")
+        wrap(reference.ReferenceExecutor, "gather", "gather_in", "gather_out")
+        return
+    from kvstrata.native import cuda_executor, cuda_target
+
+    wrap(cuda_target.CudaIpcTarget, "open_layer_events", None, "events_opened")
+    wrap(cuda_target.CudaIpcTarget, "executor", "executor_in", "executor_out")
+    wrap(cuda_executor.CudaExecutor, "_table", "table_in", "table_out")
+    wrap(cuda_executor.CudaExecutor, "gather", "gather_in", "gather_out")
 
     orig_scatter = cuda_executor.CudaExecutor.scatter
 
@@ -120,31 +133,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.core.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
     from kvstrata.core.worker import LayerwiseWorker
-    from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.gpu_caches import GpuKVCache
 
-    sys.setswitchinterval(1e-4)
+    gpu = args.device == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     trace = tempfile.mktemp(prefix="kvstrata-trace-", suffix=".jsonl")
     os.environ["KVSTRATA_TRACE_FILE"] = trace
     nb = args.tokens // 16
-    cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
-                       num_blocks=2 * nb + 2, block_size=16)
+    if gpu:
+        from kvstrata.native.cuda_events import CudaEventBackend
+        from kvstrata.native.gpu_caches import GpuKVCache
+
+        cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
+                           num_blocks=2 * nb + 2, block_size=16)
+        cache.write(cache.random_kv(args.tokens, seed=1), list(range(nb)))
+        backend = CudaEventBackend("cuda:0")
+        store_event = backend.store_event_handle
+    else:
+        from kvstrata.core.events import HostEventBackend
+        from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+
+        cache = ReferenceEngine(ModelShape(32, 2, 1, 1, "bfloat16"), num_blocks=2 * nb + 2, block_size=16)
+        backend = HostEventBackend()
+        store_event = lambda: None  # noqa: E731
     nbytes = 2 * cache.layout.object_bytes(args.tokens)  # the retrieved prompt plus one stored at a time
     src, dst = list(range(nb)), list(range(nb, 2 * nb))
-    cache.write(cache.random_kv(args.tokens, seed=1), src)
-    torch.cuda.synchronize()
+    prompt = torch.randint(0, 32000, (args.tokens,)).tolist()
+    if not gpu:
+        cache.prefill(prompt, src)
+    sync()
     srv = ServerProcess(l1_bytes=nbytes + (64 << 20), chunk_size=args.chunk, log_level="WARNING")
     srv.args = [sys.executable, os.path.abspath(__file__), "--serve-traced", *srv.args[3:]]
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"device": args.device}
     with srv:
-        backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0)
         worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
         try:
             worker.register()
-            prompt = torch.randint(0, 32000, (args.tokens,)).tolist()
-            client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [src],
-                         event_handle=backend.store_event_handle())
+            client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [src], event_handle=store_event())
             widths = [int(w) for w in args.widths.split(",")]
             for width in widths:
                 rows: dict[str, list[float]] = {}
@@ -152,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rid = f"w{width}-{rep}"
                     key = CacheKey.for_tokens(rid, prompt, model="m")
                     client.lookup(key)
-                    torch.cuda.synchronize()
+                    sync()
                     open(trace, "w").close()
                     done: list[float] = []
                     worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
@@ -185,8 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p = torch.randint(0, 32000, (args.tokens,)).tolist()
                 open(trace, "w").close()
                 t0 = time.perf_counter()
-                client.store(CacheKey.for_tokens(f"st{rep}", p, model="m"), 0, [src],
-                             event_handle=backend.store_event_handle())
+                client.store(CacheKey.for_tokens(f"st{rep}", p, model="m"), 0, [src], event_handle=store_event())
                 t1 = time.perf_counter()
                 if rep == 0:
                     continue
@@ -204,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             worker.close()
             client.close()
+            if not gpu:
+                cache.close()
     os.unlink(trace)
     return results
 
@@ -218,11 +244,14 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="")
     p.add_argument("--mode", default="", help="server copy mode (KVSTRATA_CUDA_MODE); default: the server's")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
     if args.mode:
         os.environ["KVSTRATA_CUDA_MODE"] = args.mode
     results = run(args)
     for width, steps in results.items():
+        if not isinstance(steps, dict):
+            continue
         print(f"{'width ' + width if width != 'store' else 'store'}: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
     if args.out:
         with open(args.out, "w") as f:

@@ -55,14 +55,37 @@ class CacheKey:
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_DTYPE.itemsize
 
-    def chunk_hashes(self, chunk_size: int) -> list[bytes]:
-        """One 16-byte digest per chunk, the last one possibly covering a partial chunk."""
+    def same_shard(self, other: "CacheKey") -> bool:
+        """Whether both keys hash under the same model shard (model, world size, rank, salt)."""
+        return (self.model, self.world_size, self.rank, self.salt) == \
+            (other.model, other.world_size, other.rank, other.salt)
+
+    def chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None) -> list[bytes]:
+        """One 16-byte digest per chunk, the last one possibly covering a partial chunk.
+
+        ``known`` is an earlier key with its digests (a LOOKUP's, kept for its
+        RETRIEVE). Where this key's tokens start with that key's, the digests of
+        their shared whole chunks are equal by construction and are taken from it,
+        so only what lies past them is hashed: a retrieve after its lookup hashes
+        at most one chunk instead of the whole prompt.
+        """
         tokens = unpack_tokens(self.tokens)
-        seed = hashlib.blake2b(digest_size=16)
-        seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}".encode())
-        prev = seed.digest()
-        out = []
-        for start in range(0, len(tokens), chunk_size):
+        out: list[bytes] = []
+        if known is not None and self.same_shard(known[0]):
+            earlier, digests = known
+            mine, theirs = self.tokens, earlier.tokens
+            if mine == theirs:
+                out = list(digests)  # the same tokens: every digest, a partial last one too
+            elif theirs.startswith(mine) or mine.startswith(theirs):
+                shared = min(len(mine), len(theirs)) // TOKEN_DTYPE.itemsize
+                out = list(digests[:shared // chunk_size])
+        if out:
+            prev = out[-1]
+        else:
+            seed = hashlib.blake2b(digest_size=16)
+            seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}".encode())
+            prev = seed.digest()
+        for start in range(len(out) * chunk_size, len(tokens), chunk_size):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(tokens[start:start + chunk_size].tobytes())
             prev = h.digest()

@@ -47,6 +47,12 @@ class StoredObject:
     committed: bool = False
 
 
+def object_view(pool: torch.Tensor, obj: StoredObject) -> torch.Tensor:
+    """The ``[kv, layers, tokens, heads, head_bytes]`` uint8 view of an object in the pool."""
+    kv, layers, heads, head_bytes = obj.shape_signature
+    return pool[obj.offset:obj.offset + obj.nbytes].view(kv, layers, obj.num_tokens, heads, head_bytes)
+
+
 class _FreeList:
     """First-fit allocator over [0, size) with coalescing of neighbours."""
 
@@ -106,8 +112,7 @@ class L1Store:
     # --- views -----------------------------------------------------------------------
 
     def object_view(self, obj: StoredObject) -> torch.Tensor:
-        kv, layers, heads, head_bytes = obj.shape_signature
-        return self.pool[obj.offset:obj.offset + obj.nbytes].view(kv, layers, obj.num_tokens, heads, head_bytes)
+        return object_view(self.pool, obj)
 
     # --- lookup and locks ------------------------------------------------------------
 

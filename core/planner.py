@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 OnLayerBatch = Callable[[int, int], None]
 
 
-@dataclass(frozen=True)
-class ChunkCopy:
-    """Part of one L1 object that lands in the engine's cache."""
+class ChunkCopy(NamedTuple):
+    """Part of one L1 object that lands in the engine's cache.
+
+    A named tuple, not a dataclass: a retrieve builds one per chunk on the way to
+    its first copy, and a tuple is built several times faster.
+    """
 
     object_index: int
     """Index into the executor's list of source objects for this transfer."""

@@ -61,6 +61,8 @@ class CacheServer:
         self.store = L1Store(config.l1_bytes)
         self._instances: dict[int, _Instance] = {}
         self._boards: dict[str, ArrivalBoard] = {}
+        self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
+        """Per request holding lookup locks: its LOOKUP's key and digests, so RETRIEVE need not hash again."""
         self._lock = threading.Lock()
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
                                 allow_remote=config.allow_remote)
@@ -139,13 +141,20 @@ class CacheServer:
 
     def lookup(self, key: dict[str, Any]) -> dict[str, Any]:
         ck = CacheKey.from_wire(key)
-        hit = self.store.lookup(ck.request_id, ck.chunk_hashes(self.config.chunk_size))
+        digests = ck.chunk_hashes(self.config.chunk_size)
+        hit = self.store.lookup(ck.request_id, digests)
+        if hit:
+            self._looked_up[ck.request_id] = (ck, digests)
         return {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
 
     def free_lookup_locks(self, request_id: str) -> int:
-        return self.store.release_locks(request_id)
+        return self._release_locks(request_id)
 
     def end_session(self, request_id: str) -> int:
+        return self._release_locks(request_id)
+
+    def _release_locks(self, request_id: str) -> int:
+        self._looked_up.pop(request_id, None)
         return self.store.release_locks(request_id)
 
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
@@ -180,7 +189,7 @@ class CacheServer:
                     continue
                 pending.append((obj, count))
                 job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
-                inst.target.executor([self.store.object_view(obj)]).gather(job)
+                inst.target.executor([obj]).gather(job)
             inst.target.finish()
         except BaseException:
             try:
@@ -219,15 +228,16 @@ class CacheServer:
             raise
         finally:
             if not keep_locks:
-                self.store.release_locks(ck.request_id)
+                self._release_locks(ck.request_id)
 
     # --- retrieve paths --------------------------------------------------------------
 
     def _locked_objects(self, ck: CacheKey, layout: PagedKVLayout) -> list[StoredObject]:
-        digests = ck.chunk_hashes(self.config.chunk_size)
+        digests = ck.chunk_hashes(self.config.chunk_size, self._looked_up.get(ck.request_id))
         objects = self.store.get_locked(ck.request_id, digests)
+        signature = layout.shape_signature()
         for o in objects:
-            if o.shape_signature != layout.shape_signature():
+            if o.shape_signature != signature:
                 raise RequestError(
                     f"stored chunk {o.digest.hex()[:12]} has shape (kv, layers, heads, head_bytes) = "
                     f"{o.shape_signature}, the registered cache has {layout.shape_signature()}"
@@ -277,7 +287,7 @@ class CacheServer:
                 board.publish(board_ref["slot"], board_ref["generation"], layer_start + layer_count)
 
         started = time.perf_counter()
-        executor = target.executor([self.store.object_view(o) for o in objects])
+        executor = target.executor(objects)
         planner.run_transfer(executor, job, width, on_layer_batch)
         if event_handle is not None:
             target.record(target.open_layer_events([event_handle])[0])

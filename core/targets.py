@@ -14,6 +14,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from .l1_store import StoredObject, object_view
 from .layouts import PagedKVLayout, LayoutError
 from .planner import Executor
 from .shm import Segment
@@ -24,7 +25,12 @@ class Target(Protocol):
     device: str
     native_available: bool
 
-    def executor(self, objects: Sequence[torch.Tensor]) -> Executor: ...
+    def executor(self, objects: Sequence[StoredObject]) -> Executor:
+        """An executor moving between these L1 objects (in the pool given at open) and the cache.
+
+        Objects, not tensor views: a device target needs only their addresses, and
+        building a view per chunk costs more than the rest of a retrieve's set-up.
+        """
 
     def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
         """Open the worker's exported per-layer events (cached per handle list)."""
@@ -47,8 +53,9 @@ class ShmTarget:
     device = "cpu"
     native_available = True
 
-    def __init__(self, layout: PagedKVLayout) -> None:
+    def __init__(self, layout: PagedKVLayout, pool: torch.Tensor) -> None:
         self.layout = layout
+        self.pool = pool
         self._segments: list[Segment] = []
         self.regions: list[torch.Tensor] = []
         try:
@@ -62,10 +69,10 @@ class ShmTarget:
             self.close()
             raise
 
-    def executor(self, objects: Sequence[torch.Tensor]) -> Executor:
+    def executor(self, objects: Sequence[StoredObject]) -> Executor:
         from kvstrata.native.reference import ReferenceExecutor
 
-        return ReferenceExecutor(self.regions, objects)
+        return ReferenceExecutor(self.regions, [object_view(self.pool, o) for o in objects])
 
     def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
         if handles:
@@ -93,7 +100,7 @@ def open_target(layout: PagedKVLayout, pool: torch.Tensor) -> Target:
     """The target for a descriptor's memory regions."""
     kinds = {r.kind for r in layout.regions}
     if kinds == {"shm"}:
-        return ShmTarget(layout)
+        return ShmTarget(layout, pool)
     if kinds == {"cuda_ipc"}:
         try:
             from kvstrata.native.cuda_target import CudaIpcTarget

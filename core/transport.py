@@ -105,7 +105,7 @@ class SharedSocket:
 
     def send(self, frames: list[Any]) -> None:
         with self._lock:
-            self.sock.send_multipart(frames, copy=False)
+            self.sock.send_multipart(frames)  # copying beats zero-copy's bookkeeping below ~100 KiB
             self._drain()
 
     def wait(self, timeout_ms: int) -> None:

@@ -275,10 +275,29 @@ class CudaTransferEngine:
 
     # --- executors -------------------------------------------------------------------
 
-    def executor(self, objects: Sequence[torch.Tensor]) -> "CudaExecutor":
+    def executor(self, objects: Sequence[torch.Tensor]) -> "CudaExecutor | TorchCudaExecutor":
         if self.config.mode == "torch":
             return TorchCudaExecutor(self, objects)
         return CudaExecutor(self, objects)
+
+    def pool_executor(self, spans: Sequence[tuple[int, int]]) -> "CudaExecutor":
+        """An executor for L1 objects given as (offset in the pinned pool, tokens).
+
+        The server's path: it knows where its objects are, and addresses by
+        arithmetic cost nothing, where a tensor view per object costs microseconds
+        each on the way to the first copy. The objects' shapes were checked against
+        the layout when they were located.
+        """
+        if self.pool is None:
+            raise RuntimeError("pool_executor needs the pinned L1 pool (not available in torch mode)")
+        base, size, dev_base = self._pool_range
+        L = self.layout
+        row_bytes = L.kv_size * L.num_layers * self.row_bytes
+        for off, tokens in spans:
+            if not (0 <= off and off + tokens * row_bytes <= size):
+                raise ValueError(f"L1 object at offset {off} with {tokens} tokens lies outside the {size}-byte pool")
+        return CudaExecutor(self, None, addresses=([dev_base + off for off, _ in spans],
+                                                   [base + off for off, _ in spans], [t for _, t in spans]))
 
     def staging(self, which: int, nbytes: int) -> torch.Tensor:
         """Staging buffer ``which`` (0 or 1) with at least ``nbytes``; grown on demand, never preallocated."""
@@ -390,10 +409,15 @@ class CudaExecutor:
 
     name = "cuda"
 
-    def __init__(self, engine: CudaTransferEngine, objects: Sequence[torch.Tensor]) -> None:
+    def __init__(self, engine: CudaTransferEngine, objects: Sequence[torch.Tensor] | None, *,
+                 addresses: tuple[list[int], list[int], list[int]] | None = None) -> None:
+        """``objects`` as tensor views, or ``addresses`` as (device, host, tokens) lists (see pool_executor)."""
         self.engine = engine
-        self.objects = list(objects)
-        self._obj_dev, self._obj_host, self._obj_tokens = engine.object_addresses(self.objects)
+        if addresses is None:
+            if objects is None:
+                raise ValueError("CudaExecutor needs objects or addresses")
+            addresses = engine.object_addresses(objects)
+        self._obj_dev, self._obj_host, self._obj_tokens = addresses
         self._job: TransferJob | None = None
         self._first: list[int] = []
         self._total = 0

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvstrata.core.l1_store import StoredObject, object_view
 from kvstrata.core.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.planner import Executor
 
@@ -42,6 +43,7 @@ class CudaIpcTarget:
         self.index = indices.pop()
         self.device = f"cuda:{self.index}"
         self.layout = layout
+        self.pool = pool
         config = config or CudaTransferConfig()
         self._regions = [cuda_ipc.open_region(r) for r in layout.regions]
         self.native_available = True
@@ -66,8 +68,10 @@ class CudaIpcTarget:
     def stream(self) -> torch.cuda.Stream:
         return self.engine.stream
 
-    def executor(self, objects: Sequence[torch.Tensor]) -> Executor:
-        return self.engine.executor(objects)
+    def executor(self, objects: Sequence[StoredObject]) -> Executor:
+        if self.engine.pool is None:  # the pure-torch fallback copies from tensor views
+            return self.engine.executor([object_view(self.pool, o) for o in objects])
+        return self.engine.pool_executor([(o.offset, o.num_tokens) for o in objects])
 
     def _event(self, handle: bytes) -> torch.cuda.Event:
         ev = self._events.get(handle)
