@@ -25,8 +25,10 @@ def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[
         tail = list(chunk_major_retrieve_tail())
     else:
         tail = [arrival_board, layer_event_handles, layers_per_stage]
-    return [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle,
-            skip_first_n_tokens, *tail]
+    # Lists of plain ints (LayerwiseWorker makes them) are sent as they are: converting
+    # thousands of block ids again costs more than checking their types.
+    groups = [g if type(g) is list and set(map(type, g)) <= {int} else list(map(int, g)) for g in block_ids]
+    return [key.to_wire(), instance_id, groups, event_handle, skip_first_n_tokens, *tail]
 
 
 class CacheClient:

@@ -83,7 +83,10 @@ def list_of(t: ValueType) -> ValueType:
             return all(t.check(x) for x in v)
 
         return ValueType(f"list[{t.name}]", check_ints)
-    return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and all(t.check(x) for x in v))
+    if t is BYTES:
+        # per-layer event handles: one per layer on every layer-major RETRIEVE
+        return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and set(map(type, v)) <= {bytes, bytearray})
+    return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and all(map(t.check, v)))
 
 
 def map_with(required: dict[str, ValueType], name: str) -> ValueType:

@@ -116,7 +116,9 @@ class SharedSocket:
             self._drain()
 
     def _drain(self) -> None:
-        while True:
+        # Asking EVENTS first processes ZMQ's commands just as recv would, and costs
+        # less than the zmq.Again a recv on an empty socket raises (most sends find none).
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 self.inbox.append(self.sock.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:

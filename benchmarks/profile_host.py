@@ -1,0 +1,134 @@
+"""Host time of a retrieve's first slice, by function: where the CPU goes before the first copy is enqueued.
+
+In one process on one GPU (no server), for the transfer benchmark's shapes:
+builds a fresh executor over the L1 objects the way the server does
+(``pool_executor``), enqueues the first layer slice, and repeats; cProfile
+then lists the functions by their own time. A complement to
+``profile_retrieve.py``, which places steps on one timeline but cannot say what
+inside a step costs.
+
+    python benchmarks/profile_host.py --reps 200
+    python benchmarks/profile_host.py --submit --reps 100   # the engine side: LayerwiseWorker.submit_retrieve
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--width", type=int, default=1)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--submit", action="store_true", help="profile the engine's submit against a real server")
+    args = ap.parse_args()
+    if args.submit:
+        return profile_submit(args)
+    from kvstrata.core import planner
+    from kvstrata.core.l1_store import L1Store
+    from kvstrata.native.cuda_executor import CudaTransferEngine
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    nb = args.tokens // 16
+    cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
+                       num_blocks=2 * nb + 2, block_size=16)
+    layout = cache.layout
+    store = L1Store(layout.object_bytes(args.tokens) + (8 << 20))
+    objs = []
+    for i in range(args.tokens // args.chunk):
+        o = store.reserve(i.to_bytes(16, "little"), args.chunk, layout.object_bytes(args.chunk),
+                          layout.shape_signature())
+        store.commit(o)
+        objs.append(o)
+    engine = CudaTransferEngine(layout, cache.region_tensors(), store.pool, 0)
+    dst = list(range(nb, 2 * nb))
+
+    def first_slice() -> None:
+        copies = planner.plan_copies([o.num_tokens for o in objs], args.chunk, 0, 0)
+        job = planner.TransferJob(layout, [dst], copies)
+        ex = engine.pool_executor([(o.offset, o.num_tokens) for o in objs])
+        ex.scatter(job, 0, args.width)
+
+    for _ in range(10):
+        first_slice()
+        engine.synchronize()
+    times = []
+    prof = cProfile.Profile()
+    for i in range(args.reps):
+        t = time.perf_counter()
+        if i % 2:
+            prof.enable()
+        first_slice()
+        if i % 2:
+            prof.disable()
+        else:
+            times.append((time.perf_counter() - t) * 1e6)
+        engine.synchronize()
+    report(prof, times, f"first slice (width {args.width})", args.top)
+    engine.close()
+    store.close()
+    return 0
+
+
+def report(prof: cProfile.Profile, times: list[float], what: str, top: int) -> None:
+    times.sort()
+    print(f"{what} host time, unprofiled: median {times[len(times) // 2]:.1f} us, p10 {times[len(times) // 10]:.1f} us")
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    print(s.getvalue())
+
+
+def profile_submit(args: argparse.Namespace) -> int:
+    from kvstrata.core.client import CacheClient
+    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    nb = args.tokens // 16
+    cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
+                       num_blocks=2 * nb + 2, block_size=16)
+    with ServerProcess(l1_bytes=cache.layout.object_bytes(args.tokens) + (64 << 20), chunk_size=args.chunk,
+                       log_level="WARNING") as srv:
+        backend = CudaEventBackend("cuda:0")
+        client = CacheClient(srv.address, timeout=60)
+        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        worker.register()
+        prompt = torch.randint(0, 32000, (args.tokens,)).tolist()
+        client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [list(range(nb))],
+                     event_handle=backend.store_event_handle())
+        dst = list(range(nb, 2 * nb))
+        prof = cProfile.Profile()
+        times = []
+        for i in range(args.reps):
+            key = CacheKey.for_tokens(f"r{i}", prompt, model="m")
+            client.lookup(key)
+            t = time.perf_counter()
+            if i % 2:
+                prof.enable()
+            worker.submit_retrieve(f"r{i}", key, [dst], layers_per_stage=args.width)
+            if i % 2:
+                prof.disable()
+            else:
+                times.append((time.perf_counter() - t) * 1e6)
+            while f"r{i}" not in worker.get_finished():
+                time.sleep(2e-5)
+            worker.wait_all()
+        report(prof, times, "submit_retrieve", args.top)
+        worker.close()
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
