@@ -281,9 +281,11 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     return torch.randint(0, 32000, (tokens,), generator=gen).tolist()
 
                 def store(p: list[int], rid: str) -> float:
+                    # the key is built before the clock starts, as for a retrieve: the engine
+                    # has its prompt's key before it asks for any transfer
+                    key = CacheKey.for_tokens(rid, p, model="llama")
                     t0 = time.perf_counter()
-                    r = client.store(CacheKey.for_tokens(rid, p, model="llama"), 0, [src],
-                                     event_handle=backend.store_event_handle())
+                    r = client.store(key, 0, [src], event_handle=backend.store_event_handle())
                     ms = (time.perf_counter() - t0) * 1e3
                     assert r["stored_tokens"] == tokens, r
                     return ms
@@ -392,12 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
     p.add_argument("--skip", default="", help="comma list of phases to skip: raw,inprocess,server")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
+                        "as an engine would")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/transfer.py needs a CUDA device", file=sys.stderr)
         return 2
-    sys.setswitchinterval(1e-4)  # the engine thread polls; transport threads must get the GIL promptly
+    if args.switch_interval > 0:
+        sys.setswitchinterval(args.switch_interval)
     modes = [m for m in args.modes.split(",") if m]
     widths = [int(w) for w in args.widths.split(",")]
     skip = set(args.skip.split(","))
@@ -405,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                               "config": {"tokens": args.tokens, "chunk": args.chunk, "block_size": args.block_size,
                                          "reps": args.reps, "modes": modes, "widths": widths,
                                          "model": "Llama-3.1-8B shapes: 32 layers, 8 KV heads x 128, bf16",
-                                         "engine_format": "vllm-LBNHC"},
+                                         "engine_format": "vllm-LBNHC",
+                                         "switch_interval_s": sys.getswitchinterval()},
                               "errors": {}}
     from kvstrata.native import cuda_ext
 

@@ -25,10 +25,16 @@ def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[
         tail = list(chunk_major_retrieve_tail())
     else:
         tail = [arrival_board, layer_event_handles, layers_per_stage]
-    # Lists of plain ints (LayerwiseWorker makes them) are sent as they are: converting
-    # thousands of block ids again costs more than checking their types.
-    groups = [g if type(g) is list and set(map(type, g)) <= {int} else list(map(int, g)) for g in block_ids]
-    return [key.to_wire(), instance_id, groups, event_handle, skip_first_n_tokens, *tail]
+    return [key.to_wire(), instance_id, _int_lists(block_ids), event_handle, skip_first_n_tokens, *tail]
+
+
+def _int_lists(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Block ids as lists of plain ints, the only form the wire takes.
+
+    Lists that already are (LayerwiseWorker makes them) are sent as they are:
+    converting thousands of block ids again costs more than checking their types.
+    """
+    return [g if type(g) is list and set(map(type, g)) <= {int} else list(map(int, g)) for g in block_ids]
 
 
 class CacheClient:
@@ -62,7 +68,8 @@ class CacheClient:
                     skip_first_n_tokens: int = 0, event_handle: bytes | None = None) -> Future:
         return self.transport.submit(
             RequestType.STORE,
-            [key.to_wire(), instance_id, [list(map(int, g)) for g in block_ids], event_handle, skip_first_n_tokens],
+            [key.to_wire(), instance_id, _int_lists(block_ids), event_handle, skip_first_n_tokens],
+            validate=False,  # built here from typed values; the server validates
         )
 
     def store(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
@@ -77,7 +84,7 @@ class CacheClient:
         payload = build_retrieve_payload(
             key, instance_id, block_ids, skip_first_n_tokens=skip_first_n_tokens, event_handle=event_handle,
             arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_stage=layers_per_stage)
-        return self.transport.submit(RequestType.RETRIEVE, payload)
+        return self.transport.submit(RequestType.RETRIEVE, payload, validate=False)  # as for STORE
 
     def retrieve(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
                  **kw: Any) -> dict[str, Any]:

@@ -158,7 +158,10 @@ class PagedKVLayout:
         for g, ids in enumerate(block_ids):
             if len(ids) < needed:
                 raise LayoutError(f"group {g}: {len(ids)} block ids cover fewer than the {num_tokens} tokens asked")
-            bad = [b for b in ids[:needed] if not 0 <= b < self.num_blocks]
+            head = ids[:needed]
+            if head and 0 <= min(head) and max(head) < self.num_blocks:
+                continue  # the usual case, checked at C speed
+            bad = [b for b in head if not 0 <= b < self.num_blocks]
             if bad:
                 raise LayoutError(f"group {g}: block ids {bad[:5]} are outside [0, {self.num_blocks})")
 

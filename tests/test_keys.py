@@ -37,3 +37,15 @@ def test_known_digests_of_other_tokens_or_shard_are_not_used() -> None:
         assert key(tokens).chunk_hashes(CHUNK, known) == key(tokens).chunk_hashes(CHUNK)
     # and a wrong digest list is really not consulted when the tokens differ
     assert key(tokens).chunk_hashes(CHUNK, (key(other), [b"x" * 16] * 4)) == key(tokens).chunk_hashes(CHUNK)
+
+
+def test_pack_tokens_matches_numpy_and_refuses_non_integers() -> None:
+    from kvstrata.core.keys import pack_tokens
+
+    ids = [0, 1, -5, 2**40, 31999]
+    assert pack_tokens(ids) == np.asarray(ids, dtype="<i8").tobytes()
+    assert pack_tokens(np.asarray(ids[:3], dtype=np.int32)) == np.asarray(ids[:3], dtype="<i8").tobytes()
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        pack_tokens([1, 2.5])
+    with pytest.raises(ValueError, match="int64 range"):
+        pack_tokens([2**63])

@@ -1,0 +1,147 @@
+"""The transport's threading: shared sockets, server threads taking turns, the blocking-handler cap.
+
+These run the real ZMQ transport over a private IPC socket with small handlers
+written here, so what is checked is the transport itself: replies reach the
+right futures when many threads send at once, PING stays answered while every
+transfer slot is busy, and blocking requests beyond the cap wait their turn
+instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+
+from kvstrata.core.keys import CacheKey
+from kvstrata.core.protocol import DECLARATIONS, RequestType
+from kvstrata.core.transport import Client, RemoteError, Server
+
+KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
+
+
+def handler_of_arity(n: int, fn: Any) -> Any:
+    """A handler taking exactly ``n`` positional items (the server checks arity at registration)."""
+    names = ", ".join(f"a{i}" for i in range(n))
+    scope: dict[str, Any] = {"fn": fn}
+    exec(f"def handler({names}):\n    return fn({names})", scope)
+    return scope["handler"]
+
+
+class SlowTransfers:
+    """RETRIEVE sleeps ``delay`` and reports how many ran at once; everything else answers at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.running = 0
+        self.most_at_once = 0
+        self.lock = threading.Lock()
+
+    def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        time.sleep(self.delay)
+        with self.lock:
+            self.running -= 1
+        return {"instance_id": instance_id}
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    servers: list[Server] = []
+
+    def start(transfer_threads: int, transfers: SlowTransfers) -> Server:
+        address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s"
+        server = Server(address, transfer_threads=transfer_threads)
+        for rt, decl in DECLARATIONS.items():
+            if rt == RequestType.PING:
+                server.register(rt, lambda: "pong")
+            elif rt == RequestType.RETRIEVE:
+                server.register(rt, handler_of_arity(decl.arity, transfers.retrieve))
+            elif rt == RequestType.LOOKUP:
+                server.register(rt, lambda key: {"request_id": key["request_id"]})
+            else:
+                server.register(rt, handler_of_arity(decl.arity, lambda *a: {}))
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def retrieve_payload(instance_id: int) -> list[Any]:
+    return [KEY, instance_id, [[0]], None, 0, None, None, 0]
+
+
+def test_blocking_requests_beyond_the_cap_queue_while_ping_is_answered(serve: Any) -> None:
+    transfers = SlowTransfers(delay=0.3)
+    server = serve(1, transfers)
+    with Client(server.address, default_timeout=10) as client:
+        t0 = time.monotonic()
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(3)]
+        time.sleep(0.05)
+        for _ in range(5):  # answered at once although the one transfer slot is busy and two wait
+            t = time.monotonic()
+            assert client.call(RequestType.PING, timeout=2) == "pong"
+            assert time.monotonic() - t < 0.2
+        assert [client.wait(f)["instance_id"] for f in futures] == [0, 1, 2]
+        elapsed = time.monotonic() - t0
+    assert transfers.most_at_once == 1
+    assert elapsed >= 0.85, f"three 0.3 s transfers on one slot finished in {elapsed:.2f} s: they did not queue"
+
+
+def test_transfer_slots_run_in_parallel_up_to_the_cap(serve: Any) -> None:
+    transfers = SlowTransfers(delay=0.3)
+    server = serve(3, transfers)
+    with Client(server.address, default_timeout=10) as client:
+        t0 = time.monotonic()
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(6)]
+        assert sorted(client.wait(f)["instance_id"] for f in futures) == list(range(6))
+        elapsed = time.monotonic() - t0
+    assert transfers.most_at_once == 3
+    assert elapsed < 1.5, f"six 0.3 s transfers on three slots took {elapsed:.2f} s"
+
+
+def test_many_threads_share_one_client_without_losing_replies(serve: Any) -> None:
+    server = serve(2, SlowTransfers(delay=0.0))
+    with Client(server.address, default_timeout=20) as client:
+
+        def caller(t: int) -> list[str]:
+            out = []
+            for i in range(150):
+                rid = f"t{t}-{i}"
+                key = dict(KEY, request_id=rid)
+                out.append(client.call(RequestType.LOOKUP, [key])["request_id"])
+            return out
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(caller, range(8)))
+    assert results == [[f"t{t}-{i}" for i in range(150)] for t in range(8)]
+    assert server.requests_served == 8 * 150
+
+
+def test_a_failing_handler_answers_an_error_and_the_server_keeps_serving(serve: Any) -> None:
+    transfers = SlowTransfers(delay=0.0)
+
+    def boom(key: dict, instance_id: int, *rest: Any) -> dict:
+        raise ValueError(f"instance {instance_id} exploded")
+
+    transfers.retrieve = boom  # type: ignore[method-assign]
+    server = serve(1, transfers)
+    with Client(server.address, default_timeout=5) as client:
+        with pytest.raises(RemoteError, match="RETRIEVE: instance 7 exploded"):
+            client.call(RequestType.RETRIEVE, retrieve_payload(7))
+        assert client.call(RequestType.PING) == "pong"
+    assert server.requests_rejected == 1
+
+
+def test_server_refuses_zero_transfer_threads() -> None:
+    with pytest.raises(ValueError, match="transfer_threads must be at least 1"):
+        Server(f"ipc://{tempfile.mkdtemp()}/s", transfer_threads=0)
