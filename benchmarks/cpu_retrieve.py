@@ -48,7 +48,7 @@ def run_one(worker: LayerwiseWorker, client: CacheClient, engine: ReferenceEngin
     try:
         worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
         while rid not in worker.get_finished():
-            pass
+            time.sleep(2e-5)  # an engine polls between steps; a hot spin holds the GIL the copy threads need
         for layer in range(engine.shape.num_layers):
             worker.wait_for_layer(layer)
         worker.wait_all()
