@@ -124,6 +124,38 @@ def serve_traced(argv: list[str]) -> int:
     return main(argv)
 
 
+def trace_engine_side() -> dict[str, float]:
+    """Marks in this (engine) process: the request leaving, the reply thread waking, the future resolving.
+
+    Each mark keeps its first time after ``clear()``, so a retrieve's own send
+    and reply are what is seen.
+    """
+    from kvstrata.core import transport
+
+    marks: dict[str, float] = {}
+    send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
+
+    def traced_send(self: Any, frames: list[Any]) -> None:
+        marks.setdefault("engine_send_in", time.perf_counter())
+        send(self, frames)
+        marks.setdefault("engine_sent", time.perf_counter())
+
+    def traced_wait(self: Any, timeout_ms: int) -> None:
+        wait(self, timeout_ms)
+        if self.inbox and "engine_sent" in marks:
+            marks.setdefault("engine_io_drained", time.perf_counter())
+
+    def traced_resolve(self: Any, frame: bytes) -> None:
+        if "engine_sent" in marks:
+            marks.setdefault("engine_resolve_in", time.perf_counter())
+        resolve(self, frame)
+
+    transport.SharedSocket.send = traced_send  # type: ignore[method-assign]
+    transport.SharedSocket.wait = traced_wait  # type: ignore[method-assign]
+    transport.Client._resolve = traced_resolve  # type: ignore[method-assign]
+    return marks
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
@@ -164,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     srv = ServerProcess(l1_bytes=nbytes + (64 << 20), chunk_size=args.chunk, log_level="WARNING")
     srv.args = [sys.executable, os.path.abspath(__file__), "--serve-traced", *srv.args[3:]]
     results: dict[str, Any] = {"device": args.device}
+    engine_marks = trace_engine_side()
     with srv:
         client = CacheClient(srv.address, timeout=120.0)
         worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
@@ -179,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     client.lookup(key)
                     sync()
                     open(trace, "w").close()
+                    engine_marks.clear()
                     done: list[float] = []
                     worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
                     worker.future_of(rid).add_done_callback(lambda f: done.append(time.perf_counter()))
@@ -201,6 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             seen[key_name] = (e["t"] - t0) * 1e3
                     seen["engine_released"] = (rec.released_at - t0) * 1e3
                     seen["engine_reply"] = (done[0] - t0) * 1e3
+                    seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
                     for k, v in seen.items():
                         rows.setdefault(k, []).append(v)
                 results[str(width)] = {k: round(statistics.median(v), 3) for k, v in
@@ -208,9 +243,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows = {}
             for rep in range(args.reps + 1):
                 p = torch.randint(0, 32000, (args.tokens,)).tolist()
+                key = CacheKey.for_tokens(f"st{rep}", p, model="m")
                 open(trace, "w").close()
+                engine_marks.clear()
                 t0 = time.perf_counter()
-                client.store(CacheKey.for_tokens(f"st{rep}", p, model="m"), 0, [src], event_handle=store_event())
+                client.store(key, 0, [src], event_handle=store_event())
                 t1 = time.perf_counter()
                 if rep == 0:
                     continue
@@ -221,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         name = e["name"] if e["name"] not in seen else e["name"] + "_last"
                         seen[name] = (e["t"] - t0) * 1e3
                 seen["engine_reply"] = (t1 - t0) * 1e3
+                seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
                 for k, v in seen.items():
                     rows.setdefault(k, []).append(v)
             results["store"] = {k: round(statistics.median(v), 3) for k, v in

@@ -86,6 +86,58 @@ def device_info() -> dict[str, Any]:
 
 # --- 1. raw limits -------------------------------------------------------------------
 
+_ECHO = """
+import struct, sys, time, zmq
+ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    ident, body = r.recv_multipart()
+    if body == b"stop":
+        break
+    r.send_multipart([ident, struct.pack("d", time.perf_counter()) + bytes(100)])
+"""
+
+
+def measure_raw_zmq(reps: int, request_bytes: int = 70_000) -> dict[str, Any]:
+    """The transport's floor on this machine: bare pyzmq request/reply with another process over IPC.
+
+    A RETRIEVE-sized request (tokens, block ids, event handles: about 70 KB) and
+    a small reply, no Python on either side beyond one recv and one send; both
+    sides block in recv, as kvstrata's do. ``perf_counter`` is one clock across
+    processes, so the echo's receive time splits the round trip into its legs.
+    """
+    import struct
+    import tempfile
+
+    import zmq
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-rtt-')}/echo"
+    child = subprocess.Popen([sys.executable, "-c", _ECHO, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(address)
+        payload = bytes(request_bytes)
+        there, back, rtt = [], [], []
+        for i in range(reps + 50):
+            t0 = time.perf_counter()
+            dealer.send(payload)
+            reply = dealer.recv()
+            t2 = time.perf_counter()
+            t1 = struct.unpack("d", reply[:8])[0]
+            if i >= 50:
+                there.append((t1 - t0) * 1e3)
+                back.append((t2 - t1) * 1e3)
+                rtt.append((t2 - t0) * 1e3)
+        dealer.send(b"stop")
+        dealer.close(0)
+        ctx.term()
+    finally:
+        child.wait(timeout=10)
+    return {"request_bytes": request_bytes, "request_leg_ms": stats(there), "reply_leg_ms": stats(back),
+            "round_trip_ms": stats(rtt)}
+
 
 def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:
     from kvstrata.core.l1_store import L1Store
@@ -421,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     result["extension_load_s"] = round(time.perf_counter() - t, 2)
     nbytes = llama_cache_bytes(args.tokens)
     phases = [("raw", lambda: measure_raw(nbytes, args.reps)),
+              ("rawzmq", lambda: measure_raw_zmq(200)),
               ("inprocess", lambda: measure_inprocess(args.tokens, args.chunk, args.block_size, args.reps, modes,
                                                       widths, [int(c) for c in args.cta_sweep.split(",") if c]))]
     for mode in modes:
@@ -457,6 +510,10 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
               f"registered shm {raw['h2d_registered_shm_ms']['median']:.3f} ms, "
               f"32 pieces {raw['h2d_registered_shm_32_pieces_ms']['median']:.3f} ms; "
               f"raw D2H {raw['d2h_pinned_ms']['median']:.3f} ms")
+    rz = result.get("rawzmq")
+    if rz:
+        print(f"raw pyzmq between two processes: request leg {rz['request_leg_ms']['median']:.3f} ms, reply leg "
+              f"{rz['reply_leg_ms']['median']:.3f} ms, round trip {rz['round_trip_ms']['median']:.3f} ms")
     for mode in modes:
         ip = result.get("inprocess", {}).get(mode)
         if ip:

@@ -97,6 +97,11 @@ class SharedSocket:
     """
 
     def __init__(self, sock: zmq.Socket) -> None:
+        # pyzmq sends frames above copy_threshold (64 KiB) without copying even when asked
+        # to copy, tracking each with a message to a garbage-collector thread that then
+        # wakes and takes the GIL from the engine thread. A RETRIEVE carries its prompt's
+        # token ids (64 KiB for 8k tokens); copying it costs microseconds.
+        sock.copy_threshold = codec.MAX_FRAME_BYTES
         self.sock = sock
         self.inbox: collections.deque[list[bytes]] = collections.deque()
         self._lock = threading.Lock()
