@@ -120,6 +120,14 @@ class SharedSocket:
         with self._lock:
             self._drain()
 
+    def try_drain(self) -> None:
+        """Drain without waiting, unless another thread holds the socket (it drains then)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
     def _drain(self) -> None:
         # Asking EVENTS first processes ZMQ's commands just as recv would, and costs
         # less than the zmq.Again a recv on an empty socket raises (most sends find none).
@@ -217,17 +225,28 @@ class Server:
             if queued is not None:
                 self._run_blocking(*queued)
                 continue
-            try:
-                frames = sock.inbox.popleft()
-            except IndexError:
+            frames = self._pop(sock)
+            if frames is None:
                 # Nothing to do: wait on the socket, or (if another thread already does) for the turn to.
-                if self._turn.acquire(timeout=_POLL_MS / 1e3):
-                    try:
-                        sock.wait(_POLL_MS)
-                    finally:
-                        self._turn.release()
-                continue
+                if not self._turn.acquire(timeout=_POLL_MS / 1e3):
+                    continue
+                try:
+                    sock.wait(_POLL_MS)
+                    # take what woke us before handing the turn on: the next waiter wakes
+                    # up in parallel and must not be the one that serves this request
+                    frames = self._pop(sock)
+                finally:
+                    self._turn.release()
+                if frames is None:
+                    continue
             self._dispatch(frames)
+
+    @staticmethod
+    def _pop(sock: SharedSocket) -> list[bytes] | None:
+        try:
+            return sock.inbox.popleft()
+        except IndexError:
+            return None
 
     def _take_queued_blocking(self) -> tuple[bytes, codec.Request] | None:
         with self._work:
@@ -352,6 +371,17 @@ class Client:
             raise RuntimeError("transport is closed")
         self._sock.send([frame])
         self._resolve_inbox()  # replies this send drained are ours to resolve (see SharedSocket)
+
+    def poll(self) -> None:
+        """Resolve whatever replies have arrived, on the calling thread, without waiting.
+
+        For callers that poll anyway, such as an engine asking each step which
+        transfers finished: a reply is then resolved by a thread that is already
+        awake instead of waiting for the I/O thread to be woken from its sleep.
+        """
+        if not self._closed:
+            self._sock.try_drain()
+            self._resolve_inbox()
 
     def call(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...] = (),
              timeout: float | None = None) -> Any:

@@ -226,6 +226,9 @@ class LayerwiseWorker:
 
         Also collects completed transfers: frees their slots and records failures.
         """
+        # The engine polls this anyway: resolve arrived replies here, rather than wait
+        # for the client's I/O thread to be woken for them.
+        self.client.transport.poll()
         released = []
         with self._lock:
             for inf in list(self._inflight.values()):

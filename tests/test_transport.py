@@ -145,3 +145,20 @@ def test_a_failing_handler_answers_an_error_and_the_server_keeps_serving(serve: 
 def test_server_refuses_zero_transfer_threads() -> None:
     with pytest.raises(ValueError, match="transfer_threads must be at least 1"):
         Server(f"ipc://{tempfile.mkdtemp()}/s", transfer_threads=0)
+
+
+def test_a_polling_caller_resolves_replies_itself(serve: Any) -> None:
+    server = serve(1, SlowTransfers(delay=0.0))
+    client = Client(server.address, default_timeout=5)
+    try:
+        client._stop.set()  # park the I/O thread: only the caller's poll() can resolve replies now
+        client._thread.join(timeout=5)
+        assert not client._thread.is_alive()
+        fut = client.submit(RequestType.PING, [])
+        deadline = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < deadline:
+            client.poll()
+            time.sleep(0.001)
+        assert fut.result(timeout=0) == "pong"
+    finally:
+        client.close()
