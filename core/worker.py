@@ -340,17 +340,18 @@ class LayerwiseWorker:
 
     def take_drained(self) -> set[str]:
         """Finished requests whose in-flight transfer has now settled (see :meth:`finish_request`)."""
+        self.client.transport.poll()
         with self._lock:
-            self.get_finished_collect_only()
+            self._collect_all()
             out, self._drained = self._drained, set()
             return out
 
-    def get_finished_collect_only(self) -> None:
-        with self._lock:
-            for inf in list(self._inflight.values()):
-                self._collect(inf)
-                if inf.settled and inf.released:
-                    self._inflight.pop(inf.request_id, None)
+    def _collect_all(self) -> None:
+        """Settle every finished transfer; forget those already handed back to the engine."""
+        for inf in list(self._inflight.values()):
+            self._collect(inf)
+            if inf.settled and inf.released:
+                self._inflight.pop(inf.request_id, None)
 
     def wait_settled(self, request_ids: set[str], timeout: float | None = None) -> None:
         """Block until these requests' transfers settled (preemption: their blocks are about to go)."""
