@@ -140,8 +140,8 @@ def trace_engine_side() -> dict[str, float]:
         send(self, frames)
         marks.setdefault("engine_sent", time.perf_counter())
 
-    def traced_wait(self: Any, timeout_ms: int) -> None:
-        wait(self, timeout_ms)
+    def traced_wait(self: Any, *args: Any) -> None:
+        wait(self, *args)
         if self.inbox and "engine_sent" in marks:
             marks.setdefault("engine_io_drained", time.perf_counter())
 

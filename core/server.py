@@ -38,6 +38,8 @@ class ServerConfig:
     chunk_size: int = 256
     transfer_threads: int = 4
     allow_remote: bool = False
+    busy_poll_ms: float = 25.0
+    """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
 
 
 @dataclass
@@ -124,6 +126,11 @@ class CacheServer:
         if old is not None:
             old.target.close()
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
+        busy_wait = getattr(target, "busy_wait", None)
+        if busy_wait is not None and self.config.busy_poll_ms > 0:
+            self.transport.enable_busy_poll(busy_wait, self.config.busy_poll_ms)
+            log.info("busy polling for %g ms after each request (about one core while it lasts; "
+                     "--busy-poll-ms 0 turns it off)", self.config.busy_poll_ms)
         log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per stored chunk; engines' hits are multiples of this (default 256)")
     s.add_argument("--transfer-threads", type=int, default=4,
                    help="threads running STORE/RETRIEVE copies, so PING and LOOKUP never wait on them (default 4)")
+    s.add_argument("--busy-poll-ms", type=float, default=25.0,
+                   help="with a GPU cache registered, keep polling the socket without sleeping this long after "
+                        "each request, so the next one is taken at once (about one core while it lasts; 0 = off; "
+                        "default 25)")
     s.add_argument("--allow-remote", action="store_true",
                    help="allow binding a non-loopback TCP address (off by default: the protocol has no auth)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -67,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
-                          allow_remote=args.allow_remote)
+                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms)
     log.info("starting with %s", config)
     server = CacheServer(config)
     stop = threading.Event()

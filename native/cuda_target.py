@@ -65,6 +65,12 @@ class CudaIpcTarget:
                  torch.cuda.get_device_name(self.index), self.engine.config.mode, self.engine.max_ctas)
 
     @property
+    def busy_wait(self) -> Any:
+        """The extension's GIL-free poll (for the transport's busy polling), or None without the extension."""
+        ext = self.engine.ext
+        return getattr(ext, "spin_until_readable", None) if ext is not None else None
+
+    @property
     def stream(self) -> torch.cuda.Stream:
         return self.engine.stream
 

@@ -162,3 +162,33 @@ def test_a_polling_caller_resolves_replies_itself(serve: Any) -> None:
         assert fut.result(timeout=0) == "pong"
     finally:
         client.close()
+
+
+def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
+    """The busy-poll path (on a GPU the extension's GIL-free poll) with a Python poll standing in for it."""
+    import select
+
+    calls = {"n": 0}
+
+    def busy_wait(fd: int, max_us: int) -> bool:
+        calls["n"] += 1
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        deadline = time.monotonic() + max_us / 1e6
+        while time.monotonic() < deadline:
+            if p.poll(0):
+                return True
+        return False
+
+    transfers = SlowTransfers(delay=0.01)
+    server = serve(2, transfers)
+    server.enable_busy_poll(busy_wait, 5.0)
+    with Client(server.address, default_timeout=10) as client:
+        client.enable_busy_poll(busy_wait, 5.0)
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(6)]
+        lookups = [client.call(RequestType.LOOKUP, [dict(KEY, request_id=f"l{i}")])["request_id"] for i in range(50)]
+        assert sorted(client.wait(f)["instance_id"] for f in futures) == list(range(6))
+    assert lookups == [f"l{i}" for i in range(50)]
+    assert calls["n"] > 0
+    with pytest.raises(ValueError, match="window_ms must be >= 0"):
+        server.enable_busy_poll(busy_wait, -1)
