@@ -116,7 +116,7 @@ class SharedSocket:
 
     def send(self, frames: list[Any]) -> None:
         with self._lock:
-            self.sock.send_multipart(frames)  # copying beats zero-copy's bookkeeping below ~100 KiB
+            self.sock.send_multipart(frames)  # always a copy: see copy_threshold above
             self._drain()
 
     def wait(self, timeout_ms: int, spin_us: int = 0) -> None:
