@@ -167,12 +167,67 @@ class ReferenceExecutor:
         self.objects = list(objects)
         self._runs: dict[int, list[tuple[int, int, int]]] = {}
         self._runs_job: TransferJob | None = None
+        self._whole: tuple[int, int, int, torch.Tensor] | None = None
+        self._whole_job: TransferJob | None = None
 
     def _slots(self, job: TransferJob, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         pairs = [job.slots(index, g) for g in range(len(job.layout.groups))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
+    def _back_to_back(self, job: TransferJob) -> tuple[int, int, int, torch.Tensor] | None:
+        """(first cache slot, objects, tokens per object, first object) when one copy can serve a slice.
+
+        That is when every copy is a whole object of one size, the objects sit at
+        one stride in one storage (the L1 pool holds a prompt's chunks in order) and
+        their tokens land in one run of consecutive cache slots. Cached per job.
+        """
+        if self._whole_job is job:
+            return self._whole
+        self._whole_job, self._whole = job, None
+        copies = job.copies
+        if not copies or job.layout.is_hybrid:
+            return None
+        objs = [self.objects[c.object_index] for c in copies]
+        T = objs[0].shape[2]
+        if any(c.src_token_start != 0 or c.num_tokens != T or o.shape[2] != T or not o.is_contiguous()
+               for c, o in zip(copies, objs)):
+            return None
+        storage = objs[0].untyped_storage().data_ptr()
+        if any(o.untyped_storage().data_ptr() != storage for o in objs):
+            return None
+        starts = [o.storage_offset() for o in objs]
+        stride = starts[1] - starts[0] if len(starts) > 1 else 0
+        if any(b - a != stride for a, b in zip(starts, starts[1:])):
+            return None
+        bs = job.layout.block_size
+        slots = torch.cat([b * bs + o for b, o in (job.slots(i, 0) for i in range(len(copies)))])
+        first = int(slots[0])
+        if not torch.equal(slots, torch.arange(first, first + slots.numel())):
+            return None
+        self._whole = (first, len(copies), T, objs[0])
+        return self._whole
+
+    def _scatter_whole(self, job: TransferJob, layer_start: int, count: int) -> bool:
+        """One copy per plane for a slice of every object (see :meth:`_back_to_back`); False if it cannot."""
+        whole = self._back_to_back(job)
+        if whole is None:
+            return False
+        first, n, T, obj0 = whole
+        lay = job.layout
+        views = [layer_span_view(self.regions, lay, layer_start, count, k) for k in range(lay.kv_size)]
+        if any(v is None for v in views):
+            return False
+        row = lay.num_heads * lay.head_bytes
+        stride = (self.objects[job.copies[1].object_index].storage_offset() - obj0.storage_offset()) if n > 1 else 0
+        for k, view in enumerate(views):
+            src = torch.as_strided(obj0, (count, n, T, row), (T * row, stride, row, 1),
+                                   obj0.storage_offset() + (k * lay.num_layers + layer_start) * T * row)
+            view[:, first:first + n * T].view(count, n, T, row).copy_(src)
+        return True
+
     def scatter(self, job: TransferJob, layer_start: int, layer_count: int) -> None:
+        if self._scatter_whole(job, layer_start if layer_count else 0, layer_count or job.layout.num_layers):
+            return
         for i, c in enumerate(job.copies):
             obj = self.objects[c.object_index]
             tokens = slice(c.src_token_start, c.src_token_start + c.num_tokens)

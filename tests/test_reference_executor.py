@@ -65,3 +65,29 @@ def test_scatter_and_gather_match_per_token_indexing(kind: str, fast: bool, firs
         out = torch.zeros_like(staged)
         gather_staged(out, regions, lay, [b], [o])
         assert torch.equal(out, staged)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("width", [0, 1, 3])
+def test_executor_one_copy_per_slice_when_objects_and_slots_line_up(consecutive: bool, width: int) -> None:
+    """Objects back to back in one pool into consecutive slots take one copy per plane and slice;
+    anything else takes the per-copy path. Both must write exactly the objects' bytes."""
+    from kvstrata.core import planner
+    from kvstrata.native.reference import ReferenceExecutor
+
+    lay, regions = make("blocks")
+    T, n_obj = BS * 2, 3  # chunks of two blocks
+    pool = torch.randint(0, 256, (n_obj * lay.object_bytes(T) + 64,), dtype=torch.uint8)
+    objects = [pool[i * lay.object_bytes(T):(i + 1) * lay.object_bytes(T)].view(2, L, T, H, lay.head_bytes)
+               for i in range(n_obj)]
+    blocks = [3, 4, 5, 6, 7, 8] if consecutive else [3, 4, 9, 6, 7, 8]
+    job = planner.TransferJob(lay, [blocks], planner.plan_copies([T] * n_obj, T, 0, 0))
+    ex = ReferenceExecutor(regions, objects)
+    planner.run_transfer(ex, job, width)
+    assert (ex._back_to_back(job) is not None) == consecutive
+    for layer in range(L):
+        for k in range(2):
+            view = plane_view(regions, lay, layer, k)
+            for t in range(n_obj * T):
+                b, o = blocks[t // BS], t % BS
+                assert torch.equal(view[b, o], objects[t // T][k, layer, t % T]), (layer, k, t)
