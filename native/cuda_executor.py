@@ -575,19 +575,19 @@ class CudaExecutor:
         template = self._tables.get(key)
         if template is None:
             template = self._back_to_back_template(job, count, to_device)
-        if template is None:
-            # rows of the piece at layer 0, in (copy, plane) order, computed at C speed
-            lay, row, T = self.engine.layout, self.engine.row_bytes, self._uniform
-            first_tok = np.asarray(self._first, dtype=np.int64)[:, None]
-            host = np.asarray([self._obj_host[c.object_index] for c in job.copies], dtype=np.int64)[:, None]
-            k = np.arange(lay.kv_size, dtype=np.int64)[None, :]
-            stage = lay.kv_size * count * row * first_tok + k * count * T * row
-            src = host + k * lay.num_layers * T * row
-            rows = np.empty((stage.size, 3), dtype=np.int64)
-            rows[:, 0], rows[:, 1] = (stage.reshape(-1), src.reshape(-1)) if to_device else \
-                (src.reshape(-1), stage.reshape(-1))
-            rows[:, 2] = count * T * row
-            template = plan_dma(rows)
+            if template is None:
+                # rows of the piece at layer 0, in (copy, plane) order, computed at C speed
+                lay, row, T = self.engine.layout, self.engine.row_bytes, self._uniform
+                first_tok = np.asarray(self._first, dtype=np.int64)[:, None]
+                host = np.asarray([self._obj_host[c.object_index] for c in job.copies], dtype=np.int64)[:, None]
+                k = np.arange(lay.kv_size, dtype=np.int64)[None, :]
+                stage = lay.kv_size * count * row * first_tok + k * count * T * row
+                src = host + k * lay.num_layers * T * row
+                rows = np.empty((stage.size, 3), dtype=np.int64)
+                rows[:, 0], rows[:, 1] = (stage.reshape(-1), src.reshape(-1)) if to_device else \
+                    (src.reshape(-1), stage.reshape(-1))
+                rows[:, 2] = count * T * row
+                template = plan_dma(rows)
             self._tables[key] = template
         jobs = template.copy()
         host_col, stage_col = (2, 0) if to_device else (0, 2)
@@ -611,9 +611,7 @@ class CudaExecutor:
             return None
         rows = len(hosts) * lay.kv_size
         job_row = [0, piece, hosts[0], plane, piece, rows] if to_device else [hosts[0], plane, 0, piece, piece, rows]
-        template = np.asarray([job_row], dtype=np.int64)
-        self._tables[("dma", count, to_device)] = template
-        return template
+        return np.asarray([job_row], dtype=np.int64)
 
     def _direct_runs(self, job: TransferJob, first: int, count: int) -> list[tuple[int, int, int]] | None:
         """Copy-engine rows straight into the engine's cache, or None if the runs would be too short."""
