@@ -126,9 +126,8 @@ class SharedSocket:
         sleeping for up to that long (outside the GIL), then sleep as usual.
         """
         if not self.inbox:
-            if spin_us > 0 and self.busy_wait is not None and self.busy_wait(self._fd, spin_us):
-                pass  # readable: no sleep
-            else:
+            spun_to_input = spin_us > 0 and self.busy_wait is not None and self.busy_wait(self._fd, spin_us)
+            if not spun_to_input:
                 self._poll.poll(timeout_ms)
         with self._lock:
             self._drain()

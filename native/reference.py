@@ -167,15 +167,16 @@ class ReferenceExecutor:
         self.objects = list(objects)
         self._runs: dict[int, list[tuple[int, int, int]]] = {}
         self._runs_job: TransferJob | None = None
-        self._whole: tuple[int, int, int, torch.Tensor] | None = None
+        self._whole: tuple[int, int, int, int, torch.Tensor] | None = None
         self._whole_job: TransferJob | None = None
 
     def _slots(self, job: TransferJob, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         pairs = [job.slots(index, g) for g in range(len(job.layout.groups))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def _back_to_back(self, job: TransferJob) -> tuple[int, int, int, torch.Tensor] | None:
-        """(first cache slot, objects, tokens per object, first object) when one copy can serve a slice.
+    def _back_to_back(self, job: TransferJob) -> tuple[int, int, int, int, torch.Tensor] | None:
+        """(first cache slot, objects, tokens per object, object stride, first object) when one copy
+        can serve a slice.
 
         That is when every copy is a whole object of one size, the objects sit at
         one stride in one storage (the L1 pool holds a prompt's chunks in order) and
@@ -204,7 +205,7 @@ class ReferenceExecutor:
         first = int(slots[0])
         if not torch.equal(slots, torch.arange(first, first + slots.numel())):
             return None
-        self._whole = (first, len(copies), T, objs[0])
+        self._whole = (first, len(copies), T, stride, objs[0])
         return self._whole
 
     def _scatter_whole(self, job: TransferJob, layer_start: int, count: int) -> bool:
@@ -212,13 +213,12 @@ class ReferenceExecutor:
         whole = self._back_to_back(job)
         if whole is None:
             return False
-        first, n, T, obj0 = whole
+        first, n, T, stride, obj0 = whole
         lay = job.layout
         views = [layer_span_view(self.regions, lay, layer_start, count, k) for k in range(lay.kv_size)]
         if any(v is None for v in views):
             return False
         row = lay.num_heads * lay.head_bytes
-        stride = (self.objects[job.copies[1].object_index].storage_offset() - obj0.storage_offset()) if n > 1 else 0
         for k, view in enumerate(views):
             src = torch.as_strided(obj0, (count, n, T, row), (T * row, stride, row, 1),
                                    obj0.storage_offset() + (k * lay.num_layers + layer_start) * T * row)
