@@ -86,57 +86,23 @@ def device_info() -> dict[str, Any]:
 
 # --- 1. raw limits -------------------------------------------------------------------
 
-_ECHO = """
-import struct, sys, time, zmq
-ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.bind(sys.argv[1])
-print("ready", flush=True)
-while True:
-    ident, body = r.recv_multipart()
-    if body == b"stop":
-        break
-    r.send_multipart([ident, struct.pack("d", time.perf_counter()) + bytes(100)])
-"""
-
-
 def measure_raw_zmq(reps: int, request_bytes: int = 70_000) -> dict[str, Any]:
     """The transport's floor on this machine: bare pyzmq request/reply with another process over IPC.
 
     A RETRIEVE-sized request (tokens, block ids, event handles: about 70 KB) and
-    a small reply, no Python on either side beyond one recv and one send; both
-    sides block in recv, as kvstrata's do. ``perf_counter`` is one clock across
-    processes, so the echo's receive time splits the round trip into its legs.
+    a small reply, against ``transport_latency.py``'s bare echo; both sides block
+    in recv, as kvstrata's do.
     """
-    import struct
     import tempfile
 
-    import zmq
+    from transport_latency import ECHO, bare_legs, running
 
     address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-rtt-')}/echo"
-    child = subprocess.Popen([sys.executable, "-c", _ECHO, address], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(address)
-        payload = bytes(request_bytes)
-        there, back, rtt = [], [], []
-        for i in range(reps + 50):
-            t0 = time.perf_counter()
-            dealer.send(payload)
-            reply = dealer.recv()
-            t2 = time.perf_counter()
-            t1 = struct.unpack("d", reply[:8])[0]
-            if i >= 50:
-                there.append((t1 - t0) * 1e3)
-                back.append((t2 - t1) * 1e3)
-                rtt.append((t2 - t0) * 1e3)
-        dealer.send(b"stop")
-        dealer.close(0)
-        ctx.term()
-    finally:
-        child.wait(timeout=10)
-    return {"request_bytes": request_bytes, "request_leg_ms": stats(there), "reply_leg_ms": stats(back),
-            "round_trip_ms": stats(rtt)}
+    with running(ECHO, address):
+        there, back = bare_legs(address, reps, warm=50, payload_bytes=request_bytes)
+    return {"request_bytes": request_bytes, "request_leg_ms": stats([t * 1e3 for t in there]),
+            "reply_leg_ms": stats([b * 1e3 for b in back]),
+            "round_trip_ms": stats([(t + b) * 1e3 for t, b in zip(there, back)])}
 
 
 def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:

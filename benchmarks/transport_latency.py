@@ -20,6 +20,7 @@ sender and read by the receiver:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,29 +29,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import zmq
 
-_ECHO = """
+ECHO = """
 import sys, time, zmq
 from kvstrata.core import codec
 ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.bind(sys.argv[1])
 print("ready", flush=True)
 while True:
     ident, body = r.recv_multipart()
-    if body == b"stop":
-        break
     req = codec.decode_request(body)
     r.send_multipart([ident, codec.encode_reply(req.request_id, True, time.perf_counter())])
 """
+"""A bare pyzmq server: answers every request with the time it received it."""
 
 _SERVER = """
 import sys, time
 from kvstrata.core.protocol import DECLARATIONS, RequestType
 from kvstrata.core.transport import Server
 s = Server(sys.argv[1], transfer_threads=4)
-arrived = []
 for rt, decl in DECLARATIONS.items():
     names = ", ".join(f"a{i}" for i in range(decl.arity))
     scope = {"time": time}
@@ -59,8 +58,8 @@ for rt, decl in DECLARATIONS.items():
 s.start()
 print("ready", flush=True)
 sys.stdin.readline()
-s.stop()
 """
+"""kvstrata's Server with handlers that answer with the time they ran."""
 
 
 def summary(xs: list[float]) -> dict[str, float]:
@@ -69,18 +68,83 @@ def summary(xs: list[float]) -> dict[str, float]:
             "p90_us": round(s[(9 * len(s)) // 10] * 1e6, 1), "n": len(s)}
 
 
-def spawn(code: str, address: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def running(code: str, address: str) -> Iterator[None]:
+    """A child process running ``code`` (one of the servers above) on ``address``, killed on exit."""
     child = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                              text=True)
-    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-    return child
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        child.kill()
+        child.wait(timeout=10)
 
 
-def main() -> int:
+def bare_legs(address: str, reps: int, *, warm: int = 100, gap_s: float = 0.0,
+              payload_bytes: int = 0) -> tuple[list[float], list[float]]:
+    """(request legs, reply legs) in seconds of a bare pyzmq DEALER against a server above.
+
+    Each request is a PING frame, carrying ``payload_bytes`` of padding when asked
+    (the echo does not check payloads); the server's time stamp splits the round
+    trip. ``gap_s`` of idle time goes before each request.
+    """
     from kvstrata.core import codec
+    from kvstrata.core.protocol import RequestType
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address)
+    items = [bytes(payload_bytes)] if payload_bytes else []
+    there, back = [], []
+    try:
+        for i in range(reps + warm):
+            time.sleep(gap_s)
+            t0 = time.perf_counter()
+            dealer.send(codec._pack([codec.WIRE_VERSION, i, int(RequestType.PING), items]))
+            stamp = codec.decode_reply(dealer.recv()).value
+            t2 = time.perf_counter()
+            if i >= warm:
+                there.append(stamp - t0)
+                back.append(t2 - stamp)
+    finally:
+        dealer.close(0)
+        ctx.term()
+    return there, back
+
+
+def client_reply_legs(address: str, reps: int, *, warm: int, gap_s: float, polling: bool) -> list[float]:
+    """Reply legs (s) of kvstrata's Client against the echo: from the echo's stamp to the future resolving."""
     from kvstrata.core.protocol import RequestType
     from kvstrata.core.transport import Client
 
+    resolved: dict[str, float] = {}
+    original = Client._resolve
+
+    def stamped(self: Client, frame: bytes) -> None:
+        resolved["t"] = time.perf_counter()
+        original(self, frame)
+
+    client = Client(address)
+    Client._resolve = stamped  # type: ignore[method-assign]
+    legs = []
+    try:
+        for i in range(reps + warm):
+            time.sleep(gap_s)
+            fut = client.submit(RequestType.PING, [])
+            if polling:
+                while not fut.done():
+                    time.sleep(2e-5)
+            sent = fut.result(timeout=5)
+            if i >= warm:
+                legs.append(resolved["t"] - sent)
+    finally:
+        Client._resolve = original  # type: ignore[method-assign]
+        client.close()
+    return legs
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=1000)
     ap.add_argument("--gap-ms", type=float, default=0.0,
@@ -95,75 +159,17 @@ def main() -> int:
                                        "python": sys.version.split()[0], "pyzmq": zmq.__version__}}
     directory = tempfile.mkdtemp(prefix="kvstrata-latency-")
 
-    # raw and client reply legs, against the bare echo
-    echo = spawn(_ECHO, f"ipc://{directory}/echo")
-    try:
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"ipc://{directory}/echo")
-        legs = []
-        for i in range(n + warm):
-            time.sleep(gap)
-            dealer.send(codec._pack([codec.WIRE_VERSION, i, int(RequestType.PING), []]))
-            reply = dealer.recv()
-            if i >= warm:
-                legs.append(time.perf_counter() - codec.decode_reply(reply).value)
-        out["raw_reply_leg"] = summary(legs)
-        dealer.close(0)
-        ctx.term()
-    except Exception:
-        echo.kill()
-        raise
-    echo.kill()
-    echo = spawn(_ECHO, f"ipc://{directory}/echo2")
-    client = Client(f"ipc://{directory}/echo2")
-    resolved: dict[str, float] = {}
-    original = Client._resolve
-
-    def stamped(self: Client, frame: bytes) -> None:
-        resolved["t"] = time.perf_counter()
-        original(self, frame)
-
-    Client._resolve = stamped  # type: ignore[method-assign]
-    try:
-        for mode in ("blocked", "polling"):
-            legs = []
-            for i in range(n + warm):
-                time.sleep(gap)
-                fut = client.submit(RequestType.PING, [])
-                if mode == "polling":
-                    while not fut.done():
-                        time.sleep(2e-5)
-                sent = fut.result(timeout=5)
-                if i >= warm:
-                    legs.append(resolved["t"] - sent)
-            out[f"client_reply_leg_caller_{mode}"] = summary(legs)
-    finally:
-        Client._resolve = original  # type: ignore[method-assign]
-        client.close()
-        echo.kill()
-
-    # raw and server request legs: a bare DEALER to the bare echo, then to kvstrata's Server
-    for name, code in (("raw_request_leg", _ECHO), ("server_request_leg", _SERVER)):
-        address = f"ipc://{directory}/{name}"
-        child = spawn(code, address)
-        try:
-            ctx = zmq.Context()
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.connect(address)
-            legs = []
-            for i in range(n + warm):
-                time.sleep(gap)
-                t0 = time.perf_counter()
-                dealer.send(codec._pack([codec.WIRE_VERSION, i, int(RequestType.PING), []]))
-                arrived = codec.decode_reply(dealer.recv()).value
-                if i >= warm:
-                    legs.append(arrived - t0)
-            out[name] = summary(legs)
-            dealer.close(0)
-            ctx.term()
-        finally:
-            child.kill()
+    echo = f"ipc://{directory}/echo"
+    with running(ECHO, echo):
+        there, back = bare_legs(echo, n, warm=warm, gap_s=gap)
+        out["raw_reply_leg"] = summary(back)
+        out["raw_request_leg"] = summary(there)
+        for polling in (False, True):
+            legs = client_reply_legs(echo, n, warm=warm, gap_s=gap, polling=polling)
+            out[f"client_reply_leg_caller_{'polling' if polling else 'blocked'}"] = summary(legs)
+    server = f"ipc://{directory}/server"
+    with running(_SERVER, server):
+        out["server_request_leg"] = summary(bare_legs(server, n, warm=warm, gap_s=gap)[0])
     print(json.dumps({k: v for k, v in out.items() if k != "machine"}, indent=1))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
