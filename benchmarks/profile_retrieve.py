@@ -35,16 +35,25 @@ def install_tracing(path: str) -> None:
     import torch
 
     from kvstrata.core import arrival_board, planner, transport
+    from kvstrata.core.protocol import DECLARATIONS
     from kvstrata.core import server as server_mod
     from kvstrata.native import reference
 
-    out = open(path, "a", buffering=1)
+    out = open(path, "a")
     lock = threading.Lock()
     pending: list[tuple[float, Any, list[Any]]] = []
+    held: list[tuple[float, str]] = []
 
     def mark(name: str, t: float | None = None) -> None:
+        # In memory: a write per mark would release the GIL and wake other threads,
+        # perturbing exactly what is measured. Written out after each reply (flush).
+        held.append((time.perf_counter() if t is None else t, name))
+
+    def flush() -> None:
         with lock:
-            out.write(json.dumps({"t": time.perf_counter() if t is None else t, "name": name}) + "\n")
+            rows, held[:] = list(held), []
+            out.write("".join(json.dumps({"t": t, "name": n}) + "\n" for t, n in rows))
+            out.flush()
 
     def wrap(owner: Any, attr: str, enter: str | None, leave: str | None) -> None:
         orig = getattr(owner, attr, None)
@@ -64,7 +73,7 @@ def install_tracing(path: str) -> None:
 
         setattr(owner, attr, wrapper)
 
-    wrap(transport.Server, "_dispatch", "recv", None)
+    wrap(transport.Server, "_decode", "recv", None)
     wrap(server_mod.CacheServer, "retrieve", "handler_in", "handler_out")
     wrap(server_mod.CacheServer, "_locked_objects", "locate_in", "objects_located")
     wrap(server_mod.CacheServer, "_instance", None, "instance")
@@ -73,6 +82,25 @@ def install_tracing(path: str) -> None:
     wrap(arrival_board.ArrivalBoard, "publish", None, "publish")
     wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
     wrap(transport.Server, "_run_blocking", None, "reply_sent")
+    orig_run_blocking = transport.Server._run_blocking
+
+    def run_blocking(self: Any, *a: Any) -> None:
+        try:
+            orig_run_blocking(self, *a)
+        finally:
+            flush()
+
+    transport.Server._run_blocking = run_blocking  # type: ignore[method-assign]
+    orig_run = transport.Server._run
+
+    def run_request(self: Any, request: Any) -> bytes:
+        try:
+            return orig_run(self, request)
+        finally:
+            if not DECLARATIONS[request.request_type].blocking:
+                held.clear()  # a PING's or LOOKUP's marks are not part of any transfer's timeline
+
+    transport.Server._run = run_request  # type: ignore[method-assign]
     if not torch.cuda.is_available():
         wrap(reference.ReferenceExecutor, "scatter", "scatter_in", "scatter_out")
         wrap(reference.ReferenceExecutor, "gather", "gather_in", "gather_out")
@@ -156,6 +184,17 @@ def trace_engine_side() -> dict[str, float]:
     return marks
 
 
+def read_trace(path: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The server's marks for the last transfer; it writes them just after sending the reply."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+        if any(r["name"] == "reply_sent" for r in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.001)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
@@ -226,13 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     t0 = rec.submitted_at
                     seen: dict[str, float] = {}
-                    with open(trace) as f:
-                        for line in f:
-                            e = json.loads(line)
-                            if e["name"] == "recv" and "recv" in seen:
-                                continue  # only the RETRIEVE's own arrival (LOOKUPs came before the truncation)
-                            key_name = e["name"] if e["name"] not in seen else e["name"] + "_last"
-                            seen[key_name] = (e["t"] - t0) * 1e3
+                    for e in read_trace(trace):
+                        key_name = e["name"] if e["name"] not in seen else e["name"] + "_last"
+                        seen[key_name] = (e["t"] - t0) * 1e3
                     seen["engine_released"] = (rec.released_at - t0) * 1e3
                     seen["engine_reply"] = (done[0] - t0) * 1e3
                     seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
@@ -252,11 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if rep == 0:
                     continue
                 seen = {}
-                with open(trace) as f:
-                    for line in f:
-                        e = json.loads(line)
-                        name = e["name"] if e["name"] not in seen else e["name"] + "_last"
-                        seen[name] = (e["t"] - t0) * 1e3
+                for e in read_trace(trace):
+                    name = e["name"] if e["name"] not in seen else e["name"] + "_last"
+                    seen[name] = (e["t"] - t0) * 1e3
                 seen["engine_reply"] = (t1 - t0) * 1e3
                 seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
                 for k, v in seen.items():

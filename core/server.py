@@ -24,7 +24,7 @@ from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLay
 from .protocol import RequestType
 from .targets import Target, open_target
 from .shm import sweep_stale_segments
-from .transport import Server
+from .transport import Server, hands_over_turn
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class CacheServer:
         self._looked_up.pop(request_id, None)
         return self.store.release_locks(request_id)
 
+    @hands_over_turn
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
         inst = self._instance(instance_id)
@@ -174,6 +175,8 @@ class CacheServer:
         cs = self.config.chunk_size
         digests = ck.chunk_hashes(cs)
         inst.target.wait_for_engine(event_handle)
+        if not inst.target.enqueues:
+            self.transport.release_turn()  # this target copies in the call: free the socket first
         stored = skipped = 0
         # Every chunk's gather is enqueued before one finish(): a device target then
         # copies chunk after chunk back to back instead of idling between them.
@@ -197,6 +200,7 @@ class CacheServer:
                 pending.append((obj, count))
                 job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
                 inst.target.executor([obj]).gather(job)
+                self.transport.release_turn()  # the copy engine has work: other requests may be taken now
             inst.target.finish()
         except BaseException:
             try:
@@ -213,6 +217,7 @@ class CacheServer:
             raise full
         return {"stored_tokens": stored, "skipped_tokens": skipped}
 
+    @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
                  layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any]:
@@ -292,20 +297,27 @@ class CacheServer:
                     target.record(events[layer])
             if board is not None:
                 board.publish(board_ref["slot"], board_ref["generation"], layer_start + layer_count)
+            # The engine may run now; another thread takes the socket only after this point.
+            self.transport.release_turn()
 
+        if not target.enqueues:
+            self.transport.release_turn()  # this target copies in the call: free the socket first
         started = time.perf_counter()
         executor = target.executor(objects)
         planner.run_transfer(executor, job, width, on_layer_batch)
         if event_handle is not None:
             target.record(target.open_layer_events([event_handle])[0])
         target.finish()
+        reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
+                 "objects": None, "pool": None}
         if board is not None:
+            # The worker settles on this word without waiting for the reply, so it is the
+            # last thing this retrieve writes to the slot (the slot may be reused at once).
             board.publish(board_ref["slot"], board_ref["generation"], layout.num_layers, complete=True)
-        elapsed = time.perf_counter() - started
-        log.debug("retrieve %s: %d tokens into instance %d, width %d, %.2f ms", ck.request_id, job.num_tokens,
-                  inst.instance_id, width, elapsed * 1e3)
-        return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
-                "objects": None, "pool": None}
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("retrieve %s: %d tokens into instance %d, width %d, %.2f ms", ck.request_id,
+                      job.num_tokens, inst.instance_id, width, (time.perf_counter() - started) * 1e3)
+        return reply
 
     # --- helpers ---------------------------------------------------------------------
 

@@ -24,6 +24,10 @@ class Target(Protocol):
     layout: PagedKVLayout
     device: str
     native_available: bool
+    enqueues: bool
+    """Whether executor calls only enqueue copies (a device stream) and return at once. The server
+    keeps the socket's turn through such a transfer's first slice; a target that copies in the call
+    (the CPU) must not hold the socket that long."""
 
     def executor(self, objects: Sequence[StoredObject]) -> Executor:
         """An executor moving between these L1 objects (in the pool given at open) and the cache.
@@ -52,6 +56,7 @@ class ShmTarget:
 
     device = "cpu"
     native_available = True
+    enqueues = False
 
     def __init__(self, layout: PagedKVLayout, pool: torch.Tensor) -> None:
         self.layout = layout

@@ -7,12 +7,17 @@ socket is a :class:`SharedSocket`: any thread may use it while holding its lock
 (ZMQ sockets are not thread-safe, but may be used by several threads with a full
 memory barrier between uses, which a lock gives).
 
-Server: a small pool of threads takes turns waiting on the socket (one waits,
-the others wait to be next). The thread that receives a request handles it
-itself, PING and LOOKUP as well as STORE and RETRIEVE, and sends the reply; the
-next thread is already waiting. At most ``transfer_threads`` threads run
-blocking handlers at once, so one thread is always left to answer PING and
-LOOKUP while transfers copy; blocking requests beyond that wait in a queue.
+Server: a small pool of threads takes turns waiting on the socket. The thread
+holding the turn (the leader) serves quick requests (PING, LOOKUP) itself and
+keeps waiting, so a LOOKUP and its RETRIEVE wake no other thread. On a blocking
+request (STORE, RETRIEVE) it hands the turn to the next thread and runs the
+handler. A handler marked with :func:`hands_over_turn` keeps the turn until it
+calls :meth:`Server.release_turn`: the hand-over wakes a thread that then wants
+the GIL, and on a virtual machine that contention costs a tenth of a
+millisecond or more, so a transfer hands over only once its first slice is
+enqueued. At most ``transfer_threads`` threads run blocking handlers at once, so
+one thread is always left to answer PING and LOOKUP while transfers copy;
+blocking requests beyond that wait in a queue.
 
 Client: the caller's thread sends; one I/O thread waits for replies and
 resolves futures.
@@ -46,6 +51,20 @@ The CUDA extension provides one (``spin_until_readable``); see :meth:`Server.ena
 
 _POLL_MS = 100
 """How long a waiting thread sleeps on the socket before it checks for shutdown."""
+
+_IDLE_S = 1.0
+"""How long a thread waiting for the turn sleeps before it looks for queued work (a hand-over wakes it sooner)."""
+
+
+def hands_over_turn(handler: Handler) -> Handler:
+    """Mark a blocking handler that calls :meth:`Server.release_turn` once its latency-critical start is done.
+
+    Until then no other server thread is woken, so the handler's first steps run
+    without GIL contention; requests arriving meanwhile wait that long (the
+    transport releases the turn when the handler returns in any case).
+    """
+    handler.hands_over_turn = True  # type: ignore[attr-defined]
+    return handler
 
 
 class RemoteError(RuntimeError):
@@ -178,6 +197,7 @@ class Server:
         self._busy_wait: BusyWait | None = None
         self._busy_window_s = 0.0
         self._last_request = 0.0
+        self._local = threading.local()  # .holds_turn: this thread is the leader
 
     def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float) -> None:
         """After each request, have the waiting thread poll without sleeping for ``window_ms``.
@@ -256,22 +276,51 @@ class Server:
             if queued is not None:
                 self._run_blocking(*queued)
                 continue
-            frames = self._pop(sock)
-            if frames is None:
-                # Nothing to do: wait on the socket, or (if another thread already does) for the turn to.
-                if not self._turn.acquire(timeout=_POLL_MS / 1e3):
-                    continue
-                try:
+            if self._turn.acquire(timeout=_IDLE_S):
+                self._lead(sock)
+
+    def _lead(self, sock: SharedSocket) -> None:
+        """Hold the turn: wait on the socket and serve quick requests until a blocking one arrives.
+
+        The blocking request runs on this thread, which hands the turn on before
+        the handler starts, or (:func:`hands_over_turn`) when the handler says so.
+        """
+        self._local.holds_turn = True
+        try:
+            while not self._stop.is_set():
+                frames = self._pop(sock)
+                if frames is None:
                     spin_s = self._last_request + self._busy_window_s - time.monotonic()
                     sock.wait(_POLL_MS, int(spin_s * 1e6) if spin_s > 0 else 0)
-                    # take what woke us before handing the turn on: the next waiter wakes
-                    # up in parallel and must not be the one that serves this request
-                    frames = self._pop(sock)
-                finally:
-                    self._turn.release()
-                if frames is None:
                     continue
-            self._dispatch(frames)
+                decoded = self._decode(frames)
+                if decoded is None:
+                    continue
+                identity, request = decoded
+                if not DECLARATIONS[request.request_type].blocking:
+                    self._send(identity, self._run(request))
+                    continue
+                with self._work:
+                    if self._blocking_running >= self.transfer_threads:
+                        self._blocking_queued.append((identity, request))
+                        continue
+                    self._blocking_running += 1
+                if not getattr(self._handlers[request.request_type], "hands_over_turn", False):
+                    self.release_turn()
+                self._run_blocking(identity, request)
+                return
+        finally:
+            self.release_turn()
+
+    def release_turn(self) -> None:
+        """Let the next thread wait on the socket, if this thread holds the turn (else nothing).
+
+        Called by :func:`hands_over_turn` handlers once the work that must not
+        be disturbed is done; the transport calls it too when such a handler returns.
+        """
+        if getattr(self._local, "holds_turn", False):
+            self._local.holds_turn = False
+            self._turn.release()
 
     @staticmethod
     def _pop(sock: SharedSocket) -> list[bytes] | None:
@@ -287,13 +336,13 @@ class Server:
                 return self._blocking_queued.popleft()
         return None
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        """Decode one request and answer it on this thread (blocking ones only while a slot is free)."""
+    def _decode(self, frames: list[bytes]) -> tuple[bytes, codec.Request] | None:
+        """(identity, request) of a well-formed request; anything else is answered with an error or dropped."""
         self._last_request = time.monotonic()
         if len(frames) != 2:
             log.warning("dropping a message of %d frames (expected identity + one frame)", len(frames))
             self._count(False)
-            return
+            return None
         identity, body = frames
         try:
             request = codec.decode_request(body)
@@ -303,21 +352,14 @@ class Server:
             rid = codec.peek_request_id(body)
             log.warning("rejected request %s: %s", rid, exc)
             self._send(identity, codec.encode_reply(rid if rid is not None else -1, False, str(exc)))
-            return
-        if not DECLARATIONS[request.request_type].blocking:
-            self._send(identity, self._run(request))
-            return
-        with self._work:
-            if self._blocking_running >= self.transfer_threads:
-                self._blocking_queued.append((identity, request))
-                return
-            self._blocking_running += 1
-        self._run_blocking(identity, request)
+            return None
+        return identity, request
 
     def _run_blocking(self, identity: bytes, request: codec.Request) -> None:
         try:
             self._send(identity, self._run(request))
         finally:
+            self.release_turn()
             with self._work:
                 self._blocking_running -= 1
 

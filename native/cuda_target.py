@@ -58,6 +58,9 @@ class CudaIpcTarget:
             self.native_available = False
             config.mode = "torch"
             self.engine = CudaTransferEngine(layout, self._regions, pool, self.index, config)
+        # The extension's copies only go onto the streams (finish() waits); the torch fallback
+        # copies from pageable memory and may block in the call.
+        self.enqueues = self.engine.config.mode != "torch"
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()

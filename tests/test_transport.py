@@ -192,3 +192,50 @@ def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
     assert calls["n"] > 0
     with pytest.raises(ValueError, match="window_ms must be >= 0"):
         server.enable_busy_poll(busy_wait, -1)
+
+
+def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve: Any) -> None:
+    """A hands_over_turn handler keeps the socket (no other thread woken) until release_turn; then PING flows."""
+    from kvstrata.core.transport import hands_over_turn
+
+    released = threading.Event()
+    finish = threading.Event()
+    holder: list[Server] = []
+
+    class HoldingTransfers(SlowTransfers):
+        def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
+            time.sleep(0.3)  # the latency-critical start: the socket stays with this thread
+            released.set()
+            holder[0].release_turn()
+            holder[0].release_turn()  # a second call is harmless
+            finish.wait(5)
+            return {"instance_id": instance_id}
+
+    transfers = HoldingTransfers(delay=0.0)
+    server = serve(2, transfers)
+    holder.append(server)
+    arity = DECLARATIONS[RequestType.RETRIEVE].arity
+    server.register(RequestType.RETRIEVE, hands_over_turn(handler_of_arity(arity, transfers.retrieve)))
+    with Client(server.address, default_timeout=10) as client:
+        fut = client.submit(RequestType.RETRIEVE, retrieve_payload(7))
+        time.sleep(0.05)
+        ping = client.submit(RequestType.PING, [])
+        assert client.wait(ping) == "pong"
+        assert released.is_set(), "PING was answered while the handler still held the turn"
+        assert not fut.done()
+        t = time.monotonic()
+        assert client.call(RequestType.PING, timeout=2) == "pong"  # after release: answered at once
+        assert time.monotonic() - t < 0.2
+        finish.set()
+        assert client.wait(fut)["instance_id"] == 7
+
+
+def test_the_leader_serves_quick_requests_without_handing_over(serve: Any) -> None:
+    """PING and LOOKUP are answered by the thread holding the turn: one thread serves a burst of them."""
+    seen: set[str] = set()
+    server = serve(2, SlowTransfers(delay=0.0))
+    server._handlers[RequestType.PING] = lambda: seen.add(threading.current_thread().name) or "pong"
+    with Client(server.address, default_timeout=10) as client:
+        for _ in range(50):
+            assert client.call(RequestType.PING) == "pong"
+    assert len(seen) == 1, f"quick requests were served by {sorted(seen)}: the turn changed hands"
