@@ -180,12 +180,22 @@ class LayerwiseWorker:
                 key, self.instance_id, blocks, skip_first_n_tokens=skip_first_n_tokens,
                 arrival_board=slot.board_ref() if slot else None,
                 layer_event_handles=slot.handles if slot else None, layers_per_stage=width)
+            fut.add_done_callback(lambda f, r=record: self._note_reply(f, r))
             inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record)
             if slot is not None:
                 inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
         with self._lock:
             self._inflight[request_id] = inflight
             self.records[request_id] = record
+
+    @staticmethod
+    def _note_reply(fut: Future, record: RetrieveRecord) -> None:
+        """Keep what only the reply says (a server-side fallback), also when the board settled first."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        reply = fut.result()
+        if isinstance(reply, dict) and reply.get("fallback"):
+            record.fallback = reply["fallback"]
 
     def _refresh_from_board(self, inf: _InFlight) -> None:
         """Turn board progress into gate slices; the count is published after the events were recorded."""
@@ -275,6 +285,13 @@ class LayerwiseWorker:
             return
         fut = inf.future
         if not fut.done():
+            if inf.slot is not None and inf.slot.progress().complete:
+                # Every layer landed (published after the copies finished, and the last
+                # thing the server writes to the slot): settle without the reply.
+                inf.refresh()
+                inf.record.completed_at = time.perf_counter()
+                self._settle(inf, slot_free=True)
+                return
             if time.perf_counter() - inf.record.submitted_at > self.retrieve_timeout:
                 self._fail(inf, f"no reply within the {self.retrieve_timeout:.0f}s retrieve timeout")
                 self._settle(inf)
@@ -283,9 +300,7 @@ class LayerwiseWorker:
         if exc is not None:
             self._fail(inf, f"{type(exc).__name__}: {exc}")
         else:
-            reply = fut.result()
-            if reply.get("fallback"):
-                inf.record.fallback = reply["fallback"]
+            self._note_reply(fut, inf.record)  # its done-callback may not have run yet
             if inf.refresh is not None:
                 inf.refresh()
             if not inf.gate.complete and not inf.gate.failure:
@@ -294,12 +309,13 @@ class LayerwiseWorker:
             inf.record.completed_at = time.perf_counter()
         self._settle(inf)
 
-    def _settle(self, inf: _InFlight) -> None:
+    def _settle(self, inf: _InFlight, slot_free: bool = False) -> None:
+        """Mark the transfer over; ``slot_free``: the board said complete, so the server is done with the slot."""
         inf.settled = True
         if inf.released and inf.engine_done:
             self._drained.add(inf.request_id)
         if inf.slot is not None:
-            if inf.future.done():
+            if slot_free or inf.future.done():
                 self.pool.release(inf.slot)
             else:
                 # The server may still write this slot late; a reused slot must never see

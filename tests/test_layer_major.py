@@ -114,3 +114,48 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
         worker.close()
         board.destroy()
         engine.close()
+
+
+def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
+    """The server marks completion on the board before replying: the worker settles on it, frees the slot and
+    reports the finished request drained while the reply is still held back (here by the recording proxy)."""
+    import time
+
+    from kvstrata.conformance_tests.wire import RecordingProxy
+
+    tokens = 512
+    with ServerProcess(l1_bytes=64 << 20, chunk_size=256) as srv:
+        proxy = RecordingProxy(srv.address).start()
+        client = CacheClient(proxy.address)
+        engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
+        worker = LayerwiseWorker(client, 0, engine.layout, pool_slots=1)
+        try:
+            worker.register()
+            prompt = random_prompt(tokens, seed=3)
+            store_prompt(client, engine, prompt)
+            key = CacheKey.for_tokens("held", prompt, model="m")
+            assert client.lookup(key) == tokens
+            dst = engine.allocate(tokens)
+            engine.clear(dst)
+            proxy.hold_replies("held")
+            worker.submit_retrieve("held", key, [dst], layers_per_stage=4)
+            assert proxy.wait_for(lambda: proxy.reply_held("held"), 20), "the server never answered"
+            deadline = time.monotonic() + 10
+            while "held" not in worker.get_finished():
+                assert time.monotonic() < deadline, "never released"
+            assert worker.finish_request("held") is None, "not settled although the board said complete"
+            future = worker.future_of("held")
+            assert future is None  # settled and handed back: nothing of it is in flight
+            rec = worker.records["held"]
+            assert rec.completed_at is not None and rec.failure is None
+            assert worker.pool.in_use() == 0, "the slot was not freed on the board's completion"
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
+            proxy.release_replies("held")  # the late reply resolves a future nobody tracks any more
+            time.sleep(0.2)
+            worker.get_finished()
+            assert worker.take_failed() == {}
+        finally:
+            worker.close()
+            engine.close()
+            client.close()
+            proxy.stop()
