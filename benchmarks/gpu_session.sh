@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU-machine session: build the extension, run the GPU tests, profile a retrieve, run the transfer
+# benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
+# friends travel as wheels in .whl/ (see benchmarks/README.md).
+#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer; default all]
+set -u
+out="${1:-${OUT:-benchmarks/results/latest}}"
+phases="${2:-tests,profile,transfer}"
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
+git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null; git status --short >> "$out/commit.txt" 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$out/gpu.txt"
+t=$(date +%s); python3 -c "from kvstrata.native import cuda_ext; cuda_ext.load()" || exit 1
+echo "extension built in $(( $(date +%s) - t )) s"
+rc=0
+if [[ ",$phases," == *",tests,"* ]]; then
+  python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 200 > "$out/gpu-tests.log" 2>&1 || rc=1
+  tail -3 "$out/gpu-tests.log"
+fi
+if [[ ",$phases," == *",profile,"* ]]; then
+  python3 benchmarks/profile_retrieve.py --reps 7 --widths 0,1,32 --out "$out/profile-retrieve.json" \
+    > "$out/profile-retrieve.txt" 2>&1 || rc=1
+  tail -4 "$out/profile-retrieve.txt"
+fi
+if [[ ",$phases," == *",transfer,"* ]]; then
+  python3 benchmarks/transfer.py --modes staged --reps 15 --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
+  tail -25 "$out/transfer.txt"
+fi
+exit $rc
