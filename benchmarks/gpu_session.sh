@@ -12,7 +12,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
-git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null; git status --short >> "$out/commit.txt" 2>/dev/null
+echo "${KVSTRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} (KVSTRATA_COMMIT, else the copied checkout)" > "$out/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$out/gpu.txt"
 t=$(date +%s); python3 -c "from kvstrata.native import cuda_ext; cuda_ext.load()" || exit 1
 echo "extension built in $(( $(date +%s) - t )) s"

@@ -129,17 +129,28 @@ def install_tracing(path: str) -> None:
         self._trace[2].append(ev)
 
     cuda_executor.CudaExecutor.scatter = scatter
-    orig_finish = cuda_target.CudaIpcTarget.finish
 
     def finish(self: Any) -> None:
         mark("finish_in")
-        orig_finish(self)
+        # after everything the transfer enqueued, its event records included: when each stream went idle
+        idle = {name: torch.cuda.Event(enable_timing=True) for name in ("kernel", "copy")}
+        idle["kernel"].record(self.engine.stream)
+        if self.engine.copy_stream is not None:
+            idle["copy"].record(self.engine.copy_stream)
+        e = self.engine
+        if e.copy_stream is not None:
+            e.copy_stream.synchronize()
+            mark("copy_stream_synced")
+        e.stream.synchronize()
         mark("finish_out")
         while pending:
             t0, ev0, evs = pending.pop()
             for i, ev in enumerate(evs):
                 if i in (0, len(evs) - 1):
                     mark(f"gpu_slice{'0' if i == 0 else '_last'}_done", t0 + ev0.elapsed_time(ev) / 1e3)
+            mark("gpu_kernel_stream_idle", t0 + ev0.elapsed_time(idle["kernel"]) / 1e3)
+            if e.copy_stream is not None:
+                mark("gpu_copy_stream_idle", t0 + ev0.elapsed_time(idle["copy"]) / 1e3)
 
     cuda_target.CudaIpcTarget.finish = finish
 
