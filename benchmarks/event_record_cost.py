@@ -10,7 +10,12 @@ host-to-GPU copy to ``synchronize()`` returning, minus the copy's GPU time, with
 * ``plain32``: 32 ordinary events recorded after the copy;
 * ``ipc1`` / ``ipc32``: 1 or 32 of the engine's interprocess events after the copy;
 * ``ipc32_side``: the 32 interprocess events recorded on a second stream that
-  waits for the copy stream, while the host waits only for the copy stream.
+  waits for the copy stream, while the host waits only for the copy stream;
+* ``ipc1_engine_waits`` / ``ipc32_engine_waits``: as ``ipc1`` / ``ipc32``, and the
+  parent (the engine) makes its own stream wait for those events while the copy
+  runs, as an engine released early does;
+* ``ipc32_engine_waits_query``: as ``ipc32_engine_waits``, the host polling an
+  ordinary event recorded last (``query()``) instead of synchronizing the stream.
 
     python benchmarks/event_record_cost.py --out benchmarks/results/event-record-cost-h200.json
 """
@@ -28,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def child(handles: list[bytes], reps: int, queue: Any) -> None:
+def child(handles: list[bytes], reps: int, queue: Any, conn: Any) -> None:
     dev = torch.device("cuda", 0)
     ipc = [torch.cuda.Event.from_ipc_handle(0, h) for h in handles]
     plain = [torch.cuda.Event() for _ in range(32)]
@@ -43,9 +48,13 @@ def child(handles: list[bytes], reps: int, queue: Any) -> None:
                 e.record(stream)
         elif variant == "ipc1":
             ipc[0].record(stream)
-        elif variant == "ipc32":
+        elif variant in ("ipc32", "ipc32_engine_waits", "ipc32_engine_waits_query"):
             for e in ipc:
                 e.record(stream)
+        elif variant == "ipc1_engine_waits":
+            ipc[0].record(stream)
+        if variant.endswith("_engine_waits"):
+            conn.send(32 if variant.startswith("ipc32") else 1)
         elif variant == "ipc32_side":
             mark.record(stream)
             side.wait_event(mark)
@@ -54,7 +63,8 @@ def child(handles: list[bytes], reps: int, queue: Any) -> None:
         return None
 
     out: dict[str, Any] = {}
-    variants = ["none", "plain32", "ipc1", "ipc32", "ipc32_side"]
+    variants = ["none", "plain32", "ipc1", "ipc32", "ipc32_side", "ipc1_engine_waits", "ipc32_engine_waits",
+                "ipc32_engine_waits_query"]
     rows: dict[str, list[float]] = {v: [] for v in variants}
     gpu: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(reps + 2):
@@ -68,7 +78,13 @@ def child(handles: list[bytes], reps: int, queue: Any) -> None:
                 buf.copy_(host, non_blocking=True)
             end.record(stream)
             record(v)
-            stream.synchronize()
+            if v.endswith("_query"):
+                last = torch.cuda.Event()
+                last.record(stream)
+                while not last.query():
+                    pass
+            else:
+                stream.synchronize()
             t1 = time.perf_counter()
             side.synchronize()
             if rep >= 2:
@@ -78,6 +94,7 @@ def child(handles: list[bytes], reps: int, queue: Any) -> None:
     for v in variants:
         out[v] = {"host_minus_gpu_ms": round(statistics.median(rows[v]), 4),
                   "gpu_copy_ms": round(statistics.median(gpu[v]), 4)}
+    conn.send(None)
     queue.put(out)
 
 
@@ -93,8 +110,16 @@ def main() -> int:
     handles = [bytes(e.ipc_handle()) for e in events]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=child, args=(handles, args.reps, q))
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(handles, args.reps, q, there))
     proc.start()
+    stream = torch.cuda.Stream()
+    while True:  # the engine: wait on the GPU for the events the child just recorded, as wait_for_layer does
+        n = here.recv()
+        if n is None:
+            break
+        for e in events[:n]:
+            stream.wait_event(e)
     result = {"benchmark": "event_record_cost", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "reps": args.reps, "variants": q.get(timeout=300)}
     proc.join(60)
