@@ -173,7 +173,7 @@ class CacheServer:
         layout = inst.layout
         layout.check_block_ids(block_ids, n)
         cs = self.config.chunk_size
-        digests = ck.chunk_hashes(cs)
+        digests = ck.iter_chunk_hashes(cs)  # hashed as the loop goes: the first copy waits for one digest
         inst.target.wait_for_engine(event_handle)
         if not inst.target.enqueues:
             self.transport.release_turn()  # this target copies in the call: free the socket first
@@ -293,8 +293,7 @@ class CacheServer:
             # Record the slice's events first, publish the count last: the count is
             # what makes those events safe to wait on.
             if events is not None:
-                for layer in range(layer_start, layer_start + layer_count):
-                    target.record(events[layer])
+                target.record(events[layer_start:layer_start + layer_count])
             if board is not None:
                 board.publish(board_ref["slot"], board_ref["generation"], layer_start + layer_count)
             # The engine may run now; another thread takes the socket only after this point.
@@ -306,7 +305,7 @@ class CacheServer:
         executor = target.executor(objects)
         planner.run_transfer(executor, job, width, on_layer_batch)
         if event_handle is not None:
-            target.record(target.open_layer_events([event_handle])[0])
+            target.record(target.open_layer_events([event_handle]))
         target.finish()
         reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
                  "objects": None, "pool": None}
