@@ -39,8 +39,8 @@ class Target(Protocol):
     def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
         """Open the worker's exported per-layer events (cached per handle list)."""
 
-    def record(self, event: Any) -> None:
-        """Record ``event`` after everything enqueued so far."""
+    def record(self, events: Sequence[Any]) -> None:
+        """Record ``events`` (the engine's) so that each completes after everything enqueued so far."""
 
     def wait_for_engine(self, event_handle: bytes | None) -> None:
         """Before a STORE reads the cache: wait for the engine's event, if any."""
@@ -84,7 +84,7 @@ class ShmTarget:
             raise LayoutError("a CPU target takes no per-layer event handles: the arrival board completes slices")
         return None
 
-    def record(self, event: Any) -> None:
+    def record(self, events: Sequence[Any]) -> None:
         return None
 
     def wait_for_engine(self, event_handle: bytes | None) -> None:
