@@ -42,17 +42,18 @@ def install_tracing(path: str) -> None:
     out = open(path, "a")
     lock = threading.Lock()
     pending: list[tuple[float, Any, list[Any]]] = []
-    held: list[tuple[float, str]] = []
+    held: list[tuple[float, str, float | None]] = []
 
     def mark(name: str, t: float | None = None) -> None:
         # In memory: a write per mark would release the GIL and wake other threads,
         # perturbing exactly what is measured. Written out after each reply (flush).
-        held.append((time.perf_counter() if t is None else t, name))
+        # With the thread's CPU time: where wall time outruns it, the thread waited.
+        held.append((time.perf_counter() if t is None else t, name, time.thread_time() if t is None else None))
 
     def flush() -> None:
         with lock:
             rows, held[:] = list(held), []
-            out.write("".join(json.dumps({"t": t, "name": n}) + "\n" for t, n in rows))
+            out.write("".join(json.dumps({"t": t, "name": n, "cpu": c}) + "\n" for t, n, c in rows))
             out.flush()
 
     def wrap(owner: Any, attr: str, enter: str | None, leave: str | None) -> None:
@@ -195,12 +196,19 @@ def trace_engine_side() -> dict[str, float]:
     return marks
 
 
-def read_trace(path: str, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """The server's marks for the last transfer; it writes them just after sending the reply."""
+CPU_MARKS = ("recv", "handler_in", "locate_in", "executor_in", "transfer_in", "scatter_in", "table_in", "table_out",
+             "scatter_out", "publish", "all_enqueued", "finish_in", "finish_out", "handler_out", "reply_sent")
+"""Marks the dispatching thread takes from the request's decode to its reply, reported also as that thread's
+CPU time (``name@cpu``, from ``recv``): wall time beyond CPU time is time the thread waited."""
+
+
+def read_trace(path: str, since: float, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The server's marks for the transfer started at ``since``; it writes them just after sending the reply
+    (so the previous transfer's may land after the file was emptied: they are older and skipped)."""
     deadline = time.monotonic() + timeout
     while True:
         with open(path) as f:
-            rows = [json.loads(line) for line in f]
+            rows = [r for r in map(json.loads, f) if r["t"] >= since]
         if any(r["name"] == "reply_sent" for r in rows) or time.monotonic() > deadline:
             return rows
         time.sleep(0.001)
@@ -276,9 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     t0 = rec.submitted_at
                     seen: dict[str, float] = {}
-                    for e in read_trace(trace):
+                    cpu0 = None
+                    for e in read_trace(trace, t0):
                         key_name = e["name"] if e["name"] not in seen else e["name"] + "_last"
                         seen[key_name] = (e["t"] - t0) * 1e3
+                        if e.get("cpu") is not None and key_name in CPU_MARKS:
+                            # the dispatching thread's CPU time since it decoded the request
+                            cpu0 = e["cpu"] if cpu0 is None else cpu0
+                            seen[key_name + "@cpu"] = (e["cpu"] - cpu0) * 1e3
                     seen["engine_released"] = (rec.released_at - t0) * 1e3
                     seen["engine_reply"] = (done[0] - t0) * 1e3
                     seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
@@ -298,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if rep == 0:
                     continue
                 seen = {}
-                for e in read_trace(trace):
+                for e in read_trace(trace, t0):
                     name = e["name"] if e["name"] not in seen else e["name"] + "_last"
                     seen[name] = (e["t"] - t0) * 1e3
                 seen["engine_reply"] = (t1 - t0) * 1e3
