@@ -30,6 +30,9 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--submit", action="store_true", help="profile the engine's submit against a real server")
+    ap.add_argument("--idle-study", action="store_true",
+                    help="time the first slice (unprofiled) back to back, after 20 ms asleep and after 20 ms of "
+                         "spinning: does the host run slower after idling, as a server between transfers does?")
     args = ap.parse_args()
     if args.submit:
         return profile_submit(args)
@@ -61,6 +64,26 @@ def main() -> int:
     for _ in range(10):
         first_slice()
         engine.synchronize()
+    if args.idle_study:
+        for gap in ("back_to_back", "sleep_20ms", "spin_20ms"):
+            times = []
+            for _ in range(args.reps):
+                if gap == "sleep_20ms":
+                    time.sleep(0.02)
+                elif gap == "spin_20ms":
+                    end = time.perf_counter() + 0.02
+                    while time.perf_counter() < end:
+                        pass
+                t, c = time.perf_counter(), time.thread_time()
+                first_slice()
+                times.append(((time.perf_counter() - t) * 1e6, (time.thread_time() - c) * 1e6))
+                engine.synchronize()
+            wall, cpu = sorted(w for w, _ in times), sorted(c for _, c in times)
+            print(f"idle study, {gap}: first slice (width {args.width}) wall median {wall[len(wall) // 2]:.1f} us, "
+                  f"thread CPU median {cpu[len(cpu) // 2]:.1f} us")
+        engine.close()
+        store.close()
+        return 0
     times = []
     prof = cProfile.Profile()
     for i in range(args.reps):
