@@ -65,15 +65,20 @@ def main() -> int:
         first_slice()
         engine.synchronize()
     if args.idle_study:
-        for gap in ("back_to_back", "sleep_20ms", "spin_20ms"):
+        probe = engine.stream
+        for gap in ("back_to_back", "sleep_20ms", "spin_20ms", "spin_20ms_stream_query", "sleep_20ms_then_query"):
             times = []
             for _ in range(args.reps):
-                if gap == "sleep_20ms":
+                if gap.startswith("sleep_20ms"):
                     time.sleep(0.02)
-                elif gap == "spin_20ms":
+                    if gap.endswith("then_query"):
+                        probe.query()  # one driver call just before: is a single touch enough?
+                elif gap.startswith("spin_20ms"):
                     end = time.perf_counter() + 0.02
+                    query = gap.endswith("stream_query")
                     while time.perf_counter() < end:
-                        pass
+                        if query:
+                            probe.query()  # keeps the CUDA driver's path warm, as a polling server could
                 t, c = time.perf_counter(), time.thread_time()
                 first_slice()
                 times.append(((time.perf_counter() - t) * 1e6, (time.thread_time() - c) * 1e6))
