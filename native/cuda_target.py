@@ -17,6 +17,7 @@ requests fall back to chunk-major (logged once) instead of failing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any, Sequence
@@ -72,9 +73,16 @@ class CudaIpcTarget:
 
     @property
     def busy_wait(self) -> Any:
-        """The extension's GIL-free poll (for the transport's busy polling), or None without the extension."""
+        """The extension's GIL-free poll (for the transport's busy polling), or None without the extension.
+
+        It keeps querying this engine's stream while it spins, so the driver is warm
+        when the next transfer's first slice is enqueued (see ``spin_until_readable``).
+        """
         ext = self.engine.ext
-        return getattr(ext, "spin_until_readable", None) if ext is not None else None
+        spin = getattr(ext, "spin_until_readable", None) if ext is not None else None
+        if spin is None:
+            return None
+        return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream)
 
     @property
     def stream(self) -> torch.cuda.Stream:

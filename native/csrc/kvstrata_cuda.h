@@ -46,4 +46,7 @@ uintptr_t host_device_pointer(uintptr_t ptr, int device);
 void host_unregister(uintptr_t ptr);
 int sm_count(int device);
 
+// cudaStreamQuery, result ignored: keeps the driver's paths warm while a thread waits (see spin_until_readable).
+void touch_stream(uintptr_t stream);
+
 }  // namespace kvstrata

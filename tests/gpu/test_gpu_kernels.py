@@ -225,3 +225,32 @@ def test_hybrid_layout_matches_the_torch_oracle(l1, mode):
             got = cache.read(groups_a[g], SKIP, TOKENS, [layer])
             assert got.equal(cache.read(groups_b[g], SKIP, TOKENS, [layer])), (width, layer)
             assert got.equal(truth[:, layer:layer + 1, SKIP:]), (width, layer)
+
+
+def test_spin_until_readable_keeps_a_stream_warm_and_still_sees_the_socket() -> None:
+    """The server's busy poll with warm_stream: readable fd -> True at once; quiet fd -> False after max_us,
+    having queried the stream meanwhile without disturbing work queued on it."""
+    import time
+
+    from kvstrata.native import cuda_ext
+
+    ext = cuda_ext.load()
+    stream = torch.cuda.Stream()
+    r, w = os.pipe()
+    try:
+        big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(stream):
+            big.fill_(7)  # work in flight on the stream being queried
+        t = time.perf_counter()
+        assert ext.spin_until_readable(r, 20_000, warm_stream=stream.cuda_stream) is False
+        assert time.perf_counter() - t >= 0.019
+        os.write(w, b"x")
+        t = time.perf_counter()
+        assert ext.spin_until_readable(r, 2_000_000, warm_stream=stream.cuda_stream) is True
+        assert time.perf_counter() - t < 0.5
+        stream.synchronize()
+        assert int(big[-1]) == 7
+        assert ext.spin_until_readable(r, 1000) is True  # without a stream, as the client uses it
+    finally:
+        os.close(r)
+        os.close(w)
