@@ -18,6 +18,7 @@ import cProfile
 import io
 import pstats
 import time
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--submit", action="store_true", help="profile the engine's submit against a real server")
+    ap.add_argument("--table-steps", action="store_true",
+                    help="time each host step of the per-transfer token table, back to back and after 20 ms of "
+                         "spinning with a driver query (as the server's busy poll)")
     ap.add_argument("--idle-study", action="store_true",
                     help="time the first slice (unprofiled) back to back, after 20 ms asleep and after 20 ms of "
                          "spinning: does the host run slower after idling, as a server between transfers does?")
@@ -64,6 +68,11 @@ def main() -> int:
     for _ in range(10):
         first_slice()
         engine.synchronize()
+    if args.table_steps:
+        table_steps(engine, objs, layout, dst, args)
+        engine.close()
+        store.close()
+        return 0
     if args.idle_study:
         probe = engine.stream
         for gap in ("back_to_back", "sleep_20ms", "spin_20ms", "spin_20ms_stream_query", "sleep_20ms_then_query"):
@@ -105,6 +114,67 @@ def main() -> int:
     engine.close()
     store.close()
     return 0
+
+
+def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args: argparse.Namespace) -> None:
+    """CudaTransferEngine.build_table's steps one by one, each timed (the real method is not changed)."""
+    import numpy as np
+
+    from kvstrata.core import planner
+
+    copies = planner.plan_copies([o.num_tokens for o in objs], args.chunk, 0, 0)
+    job = planner.TransferJob(layout, [dst], copies)
+    ex = engine.pool_executor([(o.offset, o.num_tokens) for o in objs])
+    ex._bind(job)
+    row = engine.row_bytes
+    n_tok = sum(c.num_tokens for c in copies)
+    slot = torch.empty(1 << 15, dtype=torch.int64, pin_memory=True)
+    done = torch.cuda.Event()
+    done.record(engine.stream)
+
+    def steps() -> dict[str, float]:
+        marks = [("start", time.perf_counter())]
+        desc = [(2 * 1 * row * ex._first[i], c.num_tokens * row, c.dst_position, c.num_tokens, ex._first[i])
+                for i, c in enumerate(job.copies)]
+        marks.append(("descriptors", time.perf_counter()))
+        done.query()
+        marks.append(("event_query", time.perf_counter()))
+        n_desc, blocks = 5 * len(desc), job.block_ids[0]
+        need = n_desc + len(blocks)
+        host = slot.numpy()
+        host[:n_desc] = np.asarray(desc, dtype=np.int64).reshape(-1)
+        marks.append(("descriptors_to_pinned", time.perf_counter()))
+        host[n_desc:need] = blocks
+        marks.append(("blocks_to_pinned", time.perf_counter()))
+        buf = torch.empty(need + 3 * n_tok, dtype=torch.int64, device=engine.device)
+        marks.append(("torch_empty", time.perf_counter()))
+        buf.record_stream(engine.stream)
+        marks.append(("record_stream", time.perf_counter()))
+        run = np.asarray([[buf.data_ptr(), slot.data_ptr(), 8 * need]], dtype=np.int64)
+        engine.ext.memcpy_runs(run.ctypes.data, 1, engine.index, engine.stream.cuda_stream)
+        marks.append(("memcpy", time.perf_counter()))
+        done.record(engine.stream)
+        marks.append(("event_record", time.perf_counter()))
+        lay = engine.layout
+        base = buf.data_ptr()
+        engine.ext.build_table(base, len(desc), base + 8 * n_desc, row, lay.block_size, lay.block_stride,
+                               lay.token_stride, n_tok, base + 8 * need, engine.index, engine.stream.cuda_stream)
+        marks.append(("build_kernel", time.perf_counter()))
+        return {b[0]: (b[1] - a[1]) * 1e6 for a, b in zip(marks, marks[1:])}
+
+    for gap in ("back_to_back", "spin_20ms_stream_query", "sleep_20ms"):
+        rows: list[dict[str, float]] = []
+        for _ in range(args.reps):
+            if gap == "sleep_20ms":
+                time.sleep(0.02)
+            elif gap.startswith("spin"):
+                end = time.perf_counter() + 0.02
+                while time.perf_counter() < end:
+                    engine.stream.query()
+            rows.append(steps())
+            engine.synchronize()
+        med = {k: round(sorted(r[k] for r in rows)[len(rows) // 2], 1) for k in rows[0]}
+        print(f"table steps, {gap} (us, medians): {med}, total {sum(med.values()):.1f}")
 
 
 def report(prof: cProfile.Profile, times: list[float], what: str, top: int) -> None:
