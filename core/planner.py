@@ -86,6 +86,10 @@ class Executor(Protocol):
     def gather(self, job: TransferJob) -> None:
         """Move every layer of every copy from the cache into the objects (STORE)."""
 
+    def close(self) -> None:
+        """Release what the transfer held (a device executor's table slots); the caller calls it once every
+        copy is enqueued, or the transfer was abandoned. Copies already enqueued still complete."""
+
 
 def plan_copies(object_tokens: Sequence[int], chunk_size: int, first_position: int,
                 skip_first_n_tokens: int) -> list[ChunkCopy]:

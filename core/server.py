@@ -199,7 +199,11 @@ class CacheServer:
                     continue
                 pending.append((obj, count))
                 job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
-                inst.target.executor([obj]).gather(job)
+                executor = inst.target.executor([obj])
+                try:
+                    executor.gather(job)
+                finally:
+                    executor.close()
                 self.transport.release_turn()  # the copy engine has work: other requests may be taken now
             inst.target.finish()
         except BaseException:
@@ -303,7 +307,10 @@ class CacheServer:
             self.transport.release_turn()  # this target copies in the call: free the socket first
         started = time.perf_counter()
         executor = target.executor(objects)
-        planner.run_transfer(executor, job, width, on_layer_batch)
+        try:
+            planner.run_transfer(executor, job, width, on_layer_batch)
+        finally:
+            executor.close()
         if event_handle is not None:
             target.record(target.open_layer_events([event_handle]))
         target.finish()

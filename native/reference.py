@@ -251,5 +251,8 @@ class ReferenceExecutor:
             blocks, offsets = self._slots(job, i)
             gather_staged(obj[:, :, tokens], self.regions, job.layout, blocks, offsets)
 
+    def close(self) -> None:
+        return None  # copies run in the call; nothing is held afterwards
+
     def synchronize(self) -> None:
         """CPU copies are complete when scatter returns."""

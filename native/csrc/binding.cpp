@@ -90,6 +90,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("block_stride"), py::arg("token_stride"), py::arg("n_tok"), py::arg("table"), py::arg("device"),
       py::arg("stream"));
   m.def(
+      "build_table_from_host",
+      [](uintptr_t host, int n_copies, int64_t n_blocks, uintptr_t dev, int64_t row_bytes, int64_t block_size,
+         int64_t block_stride, int64_t token_stride, int64_t n_tok, int device, uintptr_t stream) {
+        kvstrata::build_table_from_host(reinterpret_cast<const int64_t*>(host), n_copies, n_blocks,
+                                        reinterpret_cast<int64_t*>(dev), row_bytes, block_size, block_stride,
+                                        token_stride, n_tok, device, stream);
+      },
+      "Upload copies + block table from pinned host memory and build the token table after them, in one call",
+      py::arg("host"), py::arg("n_copies"), py::arg("n_blocks"), py::arg("dev"), py::arg("row_bytes"),
+      py::arg("block_size"), py::arg("block_stride"), py::arg("token_stride"), py::arg("n_tok"), py::arg("device"),
+      py::arg("stream"));
+  m.def("event_record", &kvstrata::event_record, "cudaEventRecord(event, stream) on raw handles", py::arg("event"),
+        py::arg("stream"));
+  m.def("stream_wait_event", &kvstrata::stream_wait_event, "cudaStreamWaitEvent(stream, event) on raw handles",
+        py::arg("stream"), py::arg("event"));
+  m.def("event_query", &kvstrata::event_query, "cudaEventQuery on a raw handle: True once complete",
+        py::arg("event"));
+  m.def(
       "memcpy_runs",
       [](uintptr_t runs, int64_t n_runs, int device, uintptr_t stream) {
         kvstrata::memcpy_runs(reinterpret_cast<const int64_t*>(runs), n_runs, device, stream);

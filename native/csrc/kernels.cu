@@ -208,6 +208,36 @@ void build_table(const int64_t* copies, int n_copies, const int64_t* blocks, int
   check(cudaGetLastError(), "token table kernel launch");
 }
 
+void build_table_from_host(const int64_t* host, int n_copies, int64_t n_blocks, int64_t* dev, int64_t row_bytes,
+                           int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t n_tok, int device,
+                           uintptr_t stream) {
+  if (n_tok <= 0) return;
+  check(cudaSetDevice(device), "cudaSetDevice");
+  const size_t need = 5 * static_cast<size_t>(n_copies) + static_cast<size_t>(n_blocks);
+  check(cudaMemcpyAsync(dev, host, need * sizeof(int64_t), cudaMemcpyHostToDevice,
+                        reinterpret_cast<cudaStream_t>(stream)),
+        "token table descriptors upload");
+  build_table(dev, n_copies, dev + 5 * n_copies, row_bytes, block_size, block_stride, token_stride, n_tok,
+              dev + need, device, stream);
+}
+
+void event_record(uintptr_t event, uintptr_t stream) {
+  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), reinterpret_cast<cudaStream_t>(stream)),
+        "cudaEventRecord");
+}
+
+void stream_wait_event(uintptr_t stream, uintptr_t event) {
+  check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent");
+}
+
+bool event_query(uintptr_t event) {
+  const cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (err == cudaErrorNotReady) return false;
+  check(err, "cudaEventQuery");
+  return true;
+}
+
 void memcpy_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t stream) {
   check(cudaSetDevice(device), "cudaSetDevice");
   auto s = reinterpret_cast<cudaStream_t>(stream);

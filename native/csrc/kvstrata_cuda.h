@@ -33,6 +33,18 @@ void build_table(const int64_t* copies, int n_copies, const int64_t* blocks, int
                  int64_t block_stride, int64_t token_stride, int64_t n_tok, int64_t* table, int device,
                  uintptr_t stream);
 
+// The same from host memory in one call: uploads the descriptors and block table (pinned `host`, laid out
+// copies then blocks) into `dev`, then builds the table right after them in `dev`.
+void build_table_from_host(const int64_t* host, int n_copies, int64_t n_blocks, int64_t* dev, int64_t row_bytes,
+                           int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t n_tok, int device,
+                           uintptr_t stream);
+
+// Raw event calls (handles as integers): a Python wrapper costs several times the driver call on the
+// way to a transfer's first slice.
+void event_record(uintptr_t event, uintptr_t stream);
+void stream_wait_event(uintptr_t stream, uintptr_t event);
+bool event_query(uintptr_t event);  // true once complete
+
 // runs: host array [n_runs][3] of {dst, src, bytes}; one cudaMemcpyAsync each, issued here so
 // the per-run cost is a driver call, not a Python call.
 void memcpy_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t stream);
