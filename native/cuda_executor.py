@@ -287,6 +287,8 @@ class CudaTransferEngine:
                 self._filled = [self._event(), self._event()]
             self._idle_h = [ev.cuda_event for ev in self._idle]
             self._filled_h = [ev.cuda_event for ev in self._filled]
+            self._job_row = np.zeros(6, dtype=np.int64)  # one packed copy-engine job (under _stage_lock)
+            self._job_row_addr = self._job_row.ctypes.data
             self._used = [False, False]
         self._table_slots: list[_TableSlot] = []
         self._table_lock = threading.Lock()
@@ -614,12 +616,20 @@ class CudaExecutor:
                         rows.append((s, h, n) if to_device else (h, s, n))
         return rows
 
-    def _piece_jobs(self, job: TransferJob, first: int, count: int, stage_base: int, to_device: bool) -> np.ndarray:
-        """Copy-engine jobs for one piece. When every copy is a whole object of one size, a piece's jobs
-        are those of the piece at layer 0 shifted on the host side, so they are planned once per job."""
+    def _piece_jobs(self, job: TransferJob, first: int, count: int, stage_base: int,
+                    to_device: bool) -> tuple[int, int, Any]:
+        """Copy-engine jobs for one piece, as (host address of the ``[n, 6]`` rows, n, what keeps them alive).
+
+        When every copy is a whole object of one size, a piece's jobs are those of
+        the piece at layer 0 shifted on the host side, so they are planned once per
+        job. The usual case, objects back to back, is one row of plain integers
+        packed into the engine's row buffer (call under ``_stage_lock``): numpy's
+        array set-up costs tens of microseconds on a cold path to the first copy.
+        """
         self._bind(job)
         if not self._uniform:
-            return plan_dma(self._object_runs(job, first, count, stage_base, to_device))
+            jobs = plan_dma(self._object_runs(job, first, count, stage_base, to_device))
+            return jobs.ctypes.data, len(jobs), jobs
         key = ("dma", count, to_device)
         template = self._tables.get(key)
         if template is None:
@@ -638,13 +648,22 @@ class CudaExecutor:
                 rows[:, 2] = count * T * row
                 template = plan_dma(rows)
             self._tables[key] = template
+        shift = first * self._uniform * self.engine.row_bytes
+        if isinstance(template, tuple):
+            e = self.engine
+            d, dp, src, sp, w, h = template
+            row = (d + stage_base, dp, src + shift, sp, w, h) if to_device else \
+                (d + shift, dp, src + stage_base, sp, w, h)
+            struct.pack_into("<6q", e._job_row, 0, *row)
+            return e._job_row_addr, 1, None
         jobs = template.copy()
         host_col, stage_col = (2, 0) if to_device else (0, 2)
-        jobs[:, host_col] += first * self._uniform * self.engine.row_bytes
+        jobs[:, host_col] += shift
         jobs[:, stage_col] += stage_base
-        return jobs
+        return jobs.ctypes.data, len(jobs), jobs
 
-    def _back_to_back_template(self, job: TransferJob, count: int, to_device: bool) -> np.ndarray | None:
+    def _back_to_back_template(self, job: TransferJob, count: int,
+                               to_device: bool) -> tuple[int, int, int, int, int, int] | None:
         """The layer-0 piece as one 2D copy when the objects sit back to back in the pool, else None.
 
         The usual case (the store allocates a prompt's chunks in order): each
@@ -659,8 +678,7 @@ class CudaExecutor:
         if plane > _MAX_PITCH or any(b - a != stride for a, b in zip(hosts, hosts[1:])):
             return None
         rows = len(hosts) * lay.kv_size
-        job_row = [0, piece, hosts[0], plane, piece, rows] if to_device else [hosts[0], plane, 0, piece, piece, rows]
-        return np.asarray([job_row], dtype=np.int64)
+        return (0, piece, hosts[0], plane, piece, rows) if to_device else (hosts[0], plane, 0, piece, piece, rows)
 
     def _direct_runs(self, job: TransferJob, first: int, count: int) -> list[tuple[int, int, int]] | None:
         """Copy-engine rows straight into the engine's cache, or None if the runs would be too short."""
@@ -717,19 +735,20 @@ class CudaExecutor:
             for first, count in self._pieces(layer_start, layer_count, per_layer):
                 b = e._piece % 2
                 e._piece += 1
-                buf = e.staging(b, per_layer * count)
-                jobs = self._piece_jobs(job, first, count, buf.data_ptr(), to_device=True)
+                stage = e.staging(b, per_layer * count).data_ptr()
+                rows, n_rows, keep = self._piece_jobs(job, first, count, stage, to_device=True)
                 # copy stream: host -> staging (waits until whatever used this buffer last is done);
                 # issued before the token table is built, so the first bytes move at once
                 copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
                 if e._used[b]:
                     e.ext.stream_wait_event(copy_s, e._idle_h[b])
-                e.ext.memcpy2d_runs(jobs.ctypes.data, len(jobs), e.index, copy_s)
+                e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
+                del keep
                 e.ext.event_record(e._filled_h[b], copy_s)
                 table, vec = self._table(job, 0, count)
                 # kernel stream: staging -> engine layout, overlapping the next piece's copy
                 e.ext.stream_wait_event(kernel_s, e._filled_h[b])
-                self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=buf.data_ptr())
+                self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
                 e.ext.event_record(e._idle_h[b], kernel_s)
                 e._used[b] = True
 
@@ -745,16 +764,17 @@ class CudaExecutor:
             for first, count in self._pieces(0, lay.num_layers, per_layer):
                 b = e._piece % 2
                 e._piece += 1
-                buf = e.staging(b, per_layer * count)
+                stage = e.staging(b, per_layer * count).data_ptr()
                 table, vec = self._table(job, 0, count)
-                jobs = self._piece_jobs(job, first, count, buf.data_ptr(), to_device=False)
+                rows, n_rows, keep = self._piece_jobs(job, first, count, stage, to_device=False)
                 copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
                 if e._used[b]:
                     e.ext.stream_wait_event(kernel_s, e._idle_h[b])
-                self._launch(False, table, vec, n_tok, first, count, count, 0, src_base=buf.data_ptr())
+                self._launch(False, table, vec, n_tok, first, count, count, 0, src_base=stage)
                 e.ext.event_record(e._filled_h[b], kernel_s)
                 e.ext.stream_wait_event(copy_s, e._filled_h[b])
-                e.ext.memcpy2d_runs(jobs.ctypes.data, len(jobs), e.index, copy_s)
+                e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
+                del keep
                 e.ext.event_record(e._idle_h[b], copy_s)
                 e._used[b] = True
 
