@@ -79,15 +79,10 @@ class CudaTransferConfig:
     """Staged mode: the most bytes one staging buffer (of two) may hold; slices larger than this are split."""
     direct_copy_min_run: int = 256 << 10
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this."""
-    wait: str = field(default_factory=lambda: os.environ.get("KVSTRATA_CUDA_WAIT", "sync"))
-    """How the server waits for a transfer's copies: ``sync`` (the driver's stream synchronize) or ``poll``
-    (a Python loop over the extension's event query, which releases the GIL per call)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"KVSTRATA_CUDA_MODE / mode must be one of {MODES}, got {self.mode!r}")
-        if self.wait not in ("sync", "poll"):
-            raise ValueError(f"KVSTRATA_CUDA_WAIT / wait must be 'sync' or 'poll', got {self.wait!r}")
         if self.max_ctas < 0 or self.staging_bytes <= 0:
             raise ValueError("max_ctas must be >= 0 and staging_bytes > 0")
 
@@ -297,10 +292,6 @@ class CudaTransferEngine:
             self._used = [False, False]
         self._table_slots: list[_TableSlot] = []
         self._table_lock = threading.Lock()
-        if self.ext is not None:
-            with torch.cuda.device(device_index):
-                self._wait_events = [self._event(), self._event()]
-            self._wait_marks = [ev.cuda_event for ev in self._wait_events]
         assert len(addrs) == L * kv
 
     # --- executors -------------------------------------------------------------------
@@ -424,16 +415,6 @@ class CudaTransferEngine:
 
     def synchronize(self) -> None:
         """Block until every copy enqueued so far, on both streams, is complete."""
-        if self.config.wait == "poll" and self.ext is not None:
-            # One mark per stream; a concurrent caller re-recording them only makes this wait longer.
-            q = self.ext.event_query
-            marks = self._wait_marks
-            self.ext.event_record(marks[0], self.stream.cuda_stream)
-            if self.copy_stream is not None:
-                self.ext.event_record(marks[1], self.copy_stream.cuda_stream)
-            while not (q(marks[0]) and q(marks[1])):
-                pass
-            return
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         self.stream.synchronize()

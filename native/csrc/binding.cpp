@@ -105,8 +105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stream"));
   m.def("stream_wait_event", &kvstrata::stream_wait_event, "cudaStreamWaitEvent(stream, event) on raw handles",
         py::arg("stream"), py::arg("event"));
-  m.def("event_query", &kvstrata::event_query, "cudaEventQuery on a raw handle: True once complete (GIL released)",
-        py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  m.def("event_query", &kvstrata::event_query, "cudaEventQuery on a raw handle: True once complete",
+        py::arg("event"));
   m.def(
       "memcpy_runs",
       [](uintptr_t runs, int64_t n_runs, int device, uintptr_t stream) {
