@@ -66,6 +66,7 @@ class CacheServer:
         self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
         """Per request holding lookup locks: its LOOKUP's key and digests, so RETRIEVE need not hash again."""
         self._lock = threading.Lock()
+        self._busy_polling = False
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
                                 allow_remote=config.allow_remote)
         handlers = {
@@ -128,9 +129,11 @@ class CacheServer:
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
         busy_wait = getattr(target, "busy_wait", None)
         if busy_wait is not None and self.config.busy_poll_ms > 0:
+            if not self._busy_polling:  # once per server, not once per GPU an engine registers
+                log.info("busy polling for %g ms after each request (about one core while it lasts; "
+                         "--busy-poll-ms 0 turns it off)", self.config.busy_poll_ms)
+            self._busy_polling = True
             self.transport.enable_busy_poll(busy_wait, self.config.busy_poll_ms)
-            log.info("busy polling for %g ms after each request (about one core while it lasts; "
-                     "--busy-poll-ms 0 turns it off)", self.config.busy_poll_ms)
         log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)
