@@ -74,20 +74,10 @@ def main() -> int:
         store.close()
         return 0
     if args.idle_study:
-        probe = engine.stream
         for gap in ("back_to_back", "sleep_20ms", "spin_20ms", "spin_20ms_stream_query", "sleep_20ms_then_query"):
             times = []
             for _ in range(args.reps):
-                if gap.startswith("sleep_20ms"):
-                    time.sleep(0.02)
-                    if gap.endswith("then_query"):
-                        probe.query()  # one driver call just before: is a single touch enough?
-                elif gap.startswith("spin_20ms"):
-                    end = time.perf_counter() + 0.02
-                    query = gap.endswith("stream_query")
-                    while time.perf_counter() < end:
-                        if query:
-                            probe.query()  # keeps the CUDA driver's path warm, as a polling server could
+                idle(gap, engine.stream)
                 t, c = time.perf_counter(), time.thread_time()
                 first_slice()
                 times.append(((time.perf_counter() - t) * 1e6, (time.thread_time() - c) * 1e6))
@@ -116,6 +106,27 @@ def main() -> int:
     return 0
 
 
+def idle(gap: str, probe: torch.cuda.Stream) -> None:
+    """Spend what a server spends between transfers, as ``gap`` names it (``back_to_back``: nothing).
+
+    ``sleep_20ms`` sleeps; ``spin_20ms`` spins in Python; ``..._stream_query`` queries
+    ``probe`` while spinning (keeps the CUDA driver's path warm, as a polling server
+    can); ``..._then_query`` makes one query after sleeping (is a single touch enough?).
+    """
+    if gap.startswith("sleep_20ms"):
+        time.sleep(0.02)
+        if gap.endswith("then_query"):
+            probe.query()
+    elif gap.startswith("spin_20ms"):
+        end = time.perf_counter() + 0.02
+        query = gap.endswith("stream_query")
+        while time.perf_counter() < end:
+            if query:
+                probe.query()
+    elif gap != "back_to_back":
+        raise ValueError(f"unknown idle gap {gap!r}")
+
+
 def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args: argparse.Namespace) -> None:
     """The token table's host steps as first written (numpy conversions, a device allocation, torch's event
     wrappers), each timed, beside the current ``CudaTransferEngine.build_table`` (one struct pack into a
@@ -134,10 +145,14 @@ def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args:
     done = torch.cuda.Event()
     done.record(engine.stream)
 
+    def descriptors() -> list[tuple[int, int, int, int, int]]:
+        # as CudaExecutor._table builds them for a staging buffer of one slot per copy
+        return [(2 * 1 * row * ex._first[i], c.num_tokens * row, c.dst_position, c.num_tokens, ex._first[i])
+                for i, c in enumerate(job.copies)]
+
     def steps() -> dict[str, float]:
         marks = [("start", time.perf_counter())]
-        desc = [(2 * 1 * row * ex._first[i], c.num_tokens * row, c.dst_position, c.num_tokens, ex._first[i])
-                for i, c in enumerate(job.copies)]
+        desc = descriptors()
         marks.append(("descriptors", time.perf_counter()))
         done.query()
         marks.append(("event_query", time.perf_counter()))
@@ -166,9 +181,7 @@ def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args:
 
     def current() -> dict[str, float]:
         t = time.perf_counter()
-        desc = [(2 * 1 * row * ex._first[i], c.num_tokens * row, c.dst_position, c.num_tokens, ex._first[i])
-                for i, c in enumerate(job.copies)]
-        _, leased = engine.build_table(desc, job.block_ids[0], n_tok)
+        _, leased = engine.build_table(descriptors(), job.block_ids[0], n_tok)
         out = {"current_build_table": (time.perf_counter() - t) * 1e6}
         engine.release_table(leased)
         return out
@@ -176,20 +189,10 @@ def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args:
     for gap in ("back_to_back", "spin_20ms_stream_query", "sleep_20ms"):
         rows: list[dict[str, float]] = []
         for _ in range(args.reps):
-            if gap == "sleep_20ms":
-                time.sleep(0.02)
-            elif gap.startswith("spin"):
-                end = time.perf_counter() + 0.02
-                while time.perf_counter() < end:
-                    engine.stream.query()
+            idle(gap, engine.stream)
             rows.append(steps())
             engine.synchronize()
-            if gap == "sleep_20ms":
-                time.sleep(0.02)
-            elif gap.startswith("spin"):
-                end = time.perf_counter() + 0.02
-                while time.perf_counter() < end:
-                    engine.stream.query()
+            idle(gap, engine.stream)
             rows[-1].update(current())
             engine.synchronize()
         med = {k: round(sorted(r[k] for r in rows)[len(rows) // 2], 1) for k in rows[0]}
