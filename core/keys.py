@@ -32,9 +32,14 @@ def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
         raise ValueError(f"token ids must be integers in the int64 range: {exc}") from None
 
 
-def unpack_tokens(data: bytes) -> np.ndarray:
+def check_token_bytes(data: bytes) -> None:
+    """Raise ValueError unless ``data`` is a whole number of int64 token ids."""
     if len(data) % TOKEN_DTYPE.itemsize:
         raise ValueError(f"token bytes must be a multiple of {TOKEN_DTYPE.itemsize}, got {len(data)}")
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    check_token_bytes(data)
     return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 
@@ -88,6 +93,7 @@ class CacheKey:
         so only what lies past them is hashed: a retrieve after its lookup hashes
         at most one chunk instead of the whole prompt.
         """
+        check_token_bytes(self.tokens)
         reused: list[bytes] = []
         if known is not None and self.same_shard(known[0]):
             earlier, digests = known
@@ -105,8 +111,6 @@ class CacheKey:
             seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}".encode())
             prev = seed.digest()
         data, step = memoryview(self.tokens), chunk_size * TOKEN_DTYPE.itemsize
-        if len(data) % TOKEN_DTYPE.itemsize:
-            raise ValueError(f"token bytes must be a multiple of {TOKEN_DTYPE.itemsize}, got {len(data)}")
         for start in range(len(reused) * step, len(data), step):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(data[start:start + step])
