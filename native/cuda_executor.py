@@ -216,9 +216,9 @@ class _TableSlot:
     done: Any
     done_handle: int
     busy: bool = True
-    host_np: Any = None  # the pinned words as numpy (struct packs into it) and the raw addresses
-    host_ptr: int = 0
-    dev_ptr: int = 0
+    host_np: Any = field(init=False)  # the pinned words as numpy (struct packs into it) and the raw addresses
+    host_ptr: int = field(init=False)
+    dev_ptr: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.host_np = self.host.numpy()
@@ -731,19 +731,18 @@ class CudaExecutor:
             return
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
+        copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(layer_start, layer_count, per_layer):
                 b = e._piece % 2
                 e._piece += 1
                 stage = e.staging(b, per_layer * count).data_ptr()
-                rows, n_rows, keep = self._piece_jobs(job, first, count, stage, to_device=True)
+                rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
                 # copy stream: host -> staging (waits until whatever used this buffer last is done);
                 # issued before the token table is built, so the first bytes move at once
-                copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
                 if e._used[b]:
                     e.ext.stream_wait_event(copy_s, e._idle_h[b])
                 e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                del keep
                 e.ext.event_record(e._filled_h[b], copy_s)
                 table, vec = self._table(job, 0, count)
                 # kernel stream: staging -> engine layout, overlapping the next piece's copy
@@ -760,21 +759,20 @@ class CudaExecutor:
         e, lay = self.engine, self.engine.layout
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
+        copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(0, lay.num_layers, per_layer):
                 b = e._piece % 2
                 e._piece += 1
                 stage = e.staging(b, per_layer * count).data_ptr()
                 table, vec = self._table(job, 0, count)
-                rows, n_rows, keep = self._piece_jobs(job, first, count, stage, to_device=False)
-                copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
+                rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=False)
                 if e._used[b]:
                     e.ext.stream_wait_event(kernel_s, e._idle_h[b])
                 self._launch(False, table, vec, n_tok, first, count, count, 0, src_base=stage)
                 e.ext.event_record(e._filled_h[b], kernel_s)
                 e.ext.stream_wait_event(copy_s, e._filled_h[b])
                 e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                del keep
                 e.ext.event_record(e._idle_h[b], copy_s)
                 e._used[b] = True
 
