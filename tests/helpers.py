@@ -20,6 +20,16 @@ def store_prompt(client: CacheClient, engine: ReferenceEngine, prompt: list[int]
     engine.free(blocks)
 
 
+def lookup_into_fresh_blocks(client: CacheClient, engine: ReferenceEngine, request_id: str,
+                             prompt: list[int]) -> tuple[CacheKey, list[int]]:
+    """What precedes a retrieve: LOOKUP the whole prompt (it must hit), then allocate and poison its destination."""
+    key = CacheKey.for_tokens(request_id, prompt, model="m")
+    assert client.lookup(key) == len(prompt)
+    dst = engine.allocate(len(prompt))
+    engine.clear(dst)
+    return key, dst
+
+
 def engine_loop(worker: LayerwiseWorker, request_id: str, num_layers: int, timeout: float = 30.0) -> dict:
     """What an engine does: poll get_finished until released, then wait before reading each layer.
 

@@ -9,7 +9,7 @@ from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.worker import LayerwiseWorker
 
-from helpers import SMALL_32, engine_loop, random_prompt, store_prompt
+from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
 
 WIDTHS = [1, 2, 3, 8, 32]
 
@@ -26,10 +26,7 @@ def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
         results = {}
         for width in [0] + WIDTHS:
             rid = f"w{width}"
-            key = CacheKey.for_tokens(rid, prompt, model="m")
-            assert client.lookup(key) == tokens
-            dst = engine.allocate(tokens)  # each width lands in its own destination range
-            engine.clear(dst)
+            key, dst = lookup_into_fresh_blocks(client, engine, rid, prompt)  # each width: its own range
             worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
             engine_loop(worker, rid, SMALL_32.num_layers)
             rec = worker.records[rid]
@@ -56,10 +53,7 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement):
             worker.register()
             prompt = random_prompt(tokens, seed=1)
             store_prompt(client, engine, prompt)
-            key = CacheKey.for_tokens("big", prompt, model="m")
-            assert client.lookup(key) == tokens
-            dst = engine.allocate(tokens)
-            engine.clear(dst)
+            key, dst = lookup_into_fresh_blocks(client, engine, "big", prompt)
             worker.submit_retrieve("big", key, [dst], layers_per_stage=1)
             at_release = engine_loop(worker, "big", LLAMA_8B.num_layers)
             assert at_release == {"future_done": False, "draining": True}
@@ -133,10 +127,7 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             worker.register()
             prompt = random_prompt(tokens, seed=3)
             store_prompt(client, engine, prompt)
-            key = CacheKey.for_tokens("held", prompt, model="m")
-            assert client.lookup(key) == tokens
-            dst = engine.allocate(tokens)
-            engine.clear(dst)
+            key, dst = lookup_into_fresh_blocks(client, engine, "held", prompt)
             proxy.hold_replies("held")
             worker.submit_retrieve("held", key, [dst], layers_per_stage=4)
             assert proxy.wait_for(lambda: proxy.reply_held("held"), 20), "the server never answered"
