@@ -359,7 +359,6 @@ class Server:
         try:
             self._send(identity, self._run(request))
         finally:
-            self.release_turn()
             with self._work:
                 self._blocking_running -= 1
 
