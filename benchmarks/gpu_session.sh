@@ -3,6 +3,7 @@
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
 #   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer; default all]
+#   (TRANSFER_ARGS: more arguments for transfer.py, e.g. --keep-warm-ab)
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
 phases="${2:-tests,profile,transfer}"
@@ -27,7 +28,7 @@ if [[ ",$phases," == *",profile,"* ]]; then
   tail -4 "$out/profile-retrieve.txt"
 fi
 if [[ ",$phases," == *",transfer,"* ]]; then
-  python3 benchmarks/transfer.py --modes staged --reps 15 --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
+  python3 benchmarks/transfer.py --modes staged --reps 15 ${TRANSFER_ARGS:-} --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
   tail -25 "$out/transfer.txt"
 fi
 exit $rc

@@ -267,7 +267,7 @@ def _spin_until_released(worker, rid: str, timeout: float = 30.0) -> None:
 
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
-                   widths: list[int]) -> dict[str, Any]:
+                   widths: list[int], server_args: list[str] | None = None) -> dict[str, Any]:
     from kvstrata.core.client import CacheClient
     from kvstrata.core.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
@@ -283,9 +283,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     torch.cuda.synchronize()
     old_env = os.environ.get("KVSTRATA_CUDA_MODE")
     os.environ["KVSTRATA_CUDA_MODE"] = mode
-    out: dict[str, Any] = {"mode": mode}
+    out: dict[str, Any] = {"mode": mode, "server_args": server_args or []}
     try:
-        with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING") as srv:
+        with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
+                           extra_args=server_args) as srv:
             backend = CudaEventBackend("cuda:0")
             client = CacheClient(srv.address, timeout=120.0)
             worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
@@ -415,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
+    p.add_argument("--keep-warm-ab", action="store_true",
+                   help="also run the primary mode's server phase with the server's keep-warm rehearsals off "
+                        "(--keep-warm-ms 0), right after it on the same machine: an A/B of that option")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -445,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         phases.append((f"server_{mode}", lambda m=mode: measure_server(m, args.tokens, args.chunk, args.block_size,
                                                                        args.reps, widths)))
+        if args.keep_warm_ab and mode == modes[0]:
+            phases.append((f"server_{mode}_keep_warm_off", lambda m=mode: measure_server(
+                m, args.tokens, args.chunk, args.block_size, args.reps, widths, ["--keep-warm-ms", "0"])))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue
@@ -491,9 +498,9 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                 print("  CTA sweep (retrieve/gather GPU ms): " + ", ".join(
                     f"{c}: {v['retrieve_chunk_major_gpu_ms']:.2f}/{v['store_gather_gpu_ms']:.2f}"
                     for c, v in ip["cta_sweep"].items()))
-        sv = result.get(f"server_{mode}")
-        if sv:
-            print(f"[server {mode}] store {sv['store_ms']['median']:.3f} ms; verified {sv.get('verified')}")
+    for name, sv in result.items():
+        if name.startswith("server_"):
+            print(f"[{name}] store {sv['store_ms']['median']:.3f} ms; verified {sv.get('verified')}")
             print("  width  release_ms  complete_ms  overhead_ms  gpu_first_ms  gpu_complete_ms")
             for w, r in sv["retrieve"].items():
                 ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)

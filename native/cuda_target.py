@@ -30,6 +30,7 @@ from kvstrata.core.planner import Executor
 
 from . import cuda_ipc
 from .cuda_executor import CudaTransferConfig, CudaTransferEngine
+from .warm_path import WarmPath
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,12 @@ class CudaIpcTarget:
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
+        self._warm_path: WarmPath | None = None
+        if self.native_available:
+            try:
+                self._warm_path = WarmPath(layout, self.index, self.engine.config)
+            except Exception as exc:  # an optimisation only: transfers work without it
+                log.warning("CUDA target on %s: no scratch transfer to keep the host path warm (%s)", self.device, exc)
         log.info("CUDA target on %s (%s): %s copies, up to %d CTAs per launch", self.device,
                  torch.cuda.get_device_name(self.index), self.engine.config.mode, self.engine.max_ctas)
 
@@ -83,6 +90,15 @@ class CudaIpcTarget:
         if spin is None:
             return None
         return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream)
+
+    def keep_warm(self) -> None:
+        """Rehearse a one-block transfer on this target's scratch cache (see :mod:`.warm_path`).
+
+        The server calls it while it idles in its busy-poll window, so that the next
+        retrieve's first slice finds the host path in the core's caches.
+        """
+        if self._warm_path is not None:
+            self._warm_path.rehearse()
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -152,6 +168,9 @@ class CudaIpcTarget:
             self._event_stream.synchronize()
         except RuntimeError as exc:  # a dead engine process can leave the context unusable
             log.warning("CUDA target on %s: final synchronize failed: %s", self.device, exc)
+        if self._warm_path is not None:
+            self._warm_path.close()
+            self._warm_path = None
         self.engine.close()
         self._event_lists.clear()
         self._events.clear()

@@ -194,6 +194,63 @@ def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
         server.enable_busy_poll(busy_wait, -1)
 
 
+def python_busy_wait(fd: int, max_us: int) -> bool:
+    """A Python stand-in for the extension's GIL-free poll: True once ``fd`` is readable, else after max_us."""
+    import select
+
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    deadline = time.monotonic() + max_us / 1e6
+    while time.monotonic() < deadline:
+        if p.poll(0):
+            return True
+    return False
+
+
+def test_keep_warm_runs_inside_the_busy_window_only_and_requests_still_flow(serve: Any) -> None:
+    """Rehearsals come every keep_warm_every_ms while the window lasts, then stop; requests are served between."""
+    rehearsals: list[float] = []
+    server = serve(2, SlowTransfers(delay=0.001))
+    server.enable_busy_poll(python_busy_wait, 60.0, keep_warm=lambda: rehearsals.append(time.monotonic()),
+                            keep_warm_every_ms=2.0)
+    with Client(server.address, default_timeout=10) as client:
+        assert client.call(RequestType.RETRIEVE, retrieve_payload(7))["instance_id"] == 7
+        last_request = time.monotonic()
+        lookups = []
+        for i in range(20):  # served while rehearsals run between them
+            lookups.append(client.call(RequestType.LOOKUP, [dict(KEY, request_id=f"l{i}")])["request_id"])
+            time.sleep(0.002)
+        assert lookups == [f"l{i}" for i in range(20)]
+        last_request = time.monotonic()
+        time.sleep(0.2)
+    during = [t for t in rehearsals if t <= last_request + 0.06]
+    assert len(during) >= 10, rehearsals  # ~40 ms of requests plus a 60 ms window at one per 2 ms
+    late = [t for t in rehearsals if t > last_request + 0.1]
+    assert not late, f"{len(late)} rehearsals after the busy window ended"
+    gaps = [b - a for a, b in zip(rehearsals, rehearsals[1:])]
+    assert min(gaps) >= 0.0015, "rehearsals ran closer together than keep_warm_every_ms"
+    with pytest.raises(ValueError, match="keep_warm_every_ms must be positive"):
+        server.enable_busy_poll(python_busy_wait, 5.0, keep_warm=lambda: None, keep_warm_every_ms=0)
+
+
+def test_a_failing_keep_warm_is_turned_off_with_a_warning(serve: Any, caplog: Any) -> None:
+    calls = {"n": 0}
+
+    def broken() -> None:
+        calls["n"] += 1
+        raise RuntimeError("scratch transfer failed")
+
+    server = serve(1, SlowTransfers(delay=0.001))
+    server.enable_busy_poll(python_busy_wait, 50.0, keep_warm=broken, keep_warm_every_ms=1.0)
+    with caplog.at_level("WARNING", logger="kvstrata.core.transport"):
+        with Client(server.address, default_timeout=10) as client:
+            for i in range(5):
+                assert client.call(RequestType.RETRIEVE, retrieve_payload(i))["instance_id"] == i
+                time.sleep(0.005)
+    assert calls["n"] == 1
+    assert "keeping the transfer path warm failed and is now off: scratch transfer failed" in caplog.text
+
+
 def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve: Any) -> None:
     """A hands_over_turn handler keeps the socket (no other thread woken) until release_turn; then PING flows."""
     from kvstrata.core.transport import hands_over_turn

@@ -122,3 +122,48 @@ def test_chunks_stored_from_a_gpu_read_back_canonically_on_cpu(gpu_server, fmt, 
             client.unregister_kv_cache(iid)
         client.close()
         cpu.close()
+
+
+def test_the_server_keeps_the_path_warm_only_inside_its_busy_window(gpu_server):
+    """With a GPU cache registered the server rehearses scratch transfers while it polls (server_info counts
+    them), stops when the 25 ms window after a request ends, and a retrieve after rehearsals is exact."""
+    import time
+
+    from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    nb = -(-TOKENS // 16)
+    cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=4, head_size=64, dtype="bfloat16",
+                       num_blocks=2 * nb + 1, block_size=16)
+    backend = CudaEventBackend("cuda:0")
+    client = CacheClient(gpu_server.address, timeout=60.0)
+    iid = next_instance_id()
+    worker = LayerwiseWorker(client, iid, cache.layout, event_backend=backend)
+    try:
+        worker.register()
+        prompt = _prompt(iid)
+        truth = cache.random_kv(TOKENS, seed=iid)
+        src = shuffled_blocks(0, nb, seed=iid)
+        cache.write(truth, src)
+        client.store(CacheKey.for_tokens("warm-s", prompt, model="m"), iid, [src],
+                     event_handle=backend.store_event_handle())
+        time.sleep(0.02)  # inside the window: rehearsals run
+        before = client.server_info()["keep_warm"]
+        assert before["every_ms"] == 1.0 and before["rehearsals"] > 0, before
+        time.sleep(0.2)  # the window (25 ms after the last request) ends long before this
+        after = client.server_info()["keep_warm"]["rehearsals"]
+        assert after - before["rehearsals"] <= 30, "rehearsals went on past the busy window"
+        key = CacheKey.for_tokens("warm-r", prompt, model="m")
+        assert client.lookup(key) == TOKENS
+        dst = shuffled_blocks(nb, nb, seed=iid + 1)
+        cache.poison(dst)
+        torch.cuda.synchronize()
+        worker.submit_retrieve("warm-r", key, [dst], layers_per_stage=1)
+        _, reads = release_then_read(worker, "warm-r", lambda layer: cache.read(dst, 0, TOKENS, [layer]),
+                                     cache.num_layers)
+        for layer, got in enumerate(reads):
+            assert got.equal(truth[:, layer:layer + 1]), f"layer {layer} differs after rehearsals"
+    finally:
+        worker.close()
+        client.unregister_kv_cache(iid)
+        client.close()
