@@ -85,16 +85,35 @@ def install_tracing(path: str) -> None:
     wrap(server_mod.CacheServer, "store_kv", "store_in", "store_out")
     wrap(arrival_board.ArrivalBoard, "publish", None, "publish")
     wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
-    wrap(transport.Server, "_run_blocking", None, "reply_sent")
-    orig_run_blocking = transport.Server._run_blocking
+    wrap(transport.Server, "_settle", "settle_in", "settled")
+    answering = threading.local()  # set while a thread answers a transfer (its handler's thread or the poller)
 
-    def run_blocking(self: Any, *a: Any) -> None:
+    def answering_transfer(attr: str) -> None:
+        orig = getattr(transport.Server, attr)
+
+        @functools.wraps(orig)
+        def wrapper(self: Any, *a: Any) -> Any:
+            answering.on = True
+            try:
+                return orig(self, *a)
+            finally:
+                answering.on = False
+
+        setattr(transport.Server, attr, wrapper)
+
+    answering_transfer("_run_blocking")
+    answering_transfer("_settle_ready")
+    orig_send = transport.Server._send
+
+    def send(self: Any, *a: Any) -> None:
         try:
-            orig_run_blocking(self, *a)
+            orig_send(self, *a)
         finally:
-            flush()
+            if getattr(answering, "on", False):
+                mark("reply_sent")
+                flush()
 
-    transport.Server._run_blocking = run_blocking  # type: ignore[method-assign]
+    transport.Server._send = send  # type: ignore[method-assign]
     orig_run = transport.Server._run
 
     def run_request(self: Any, request: Any) -> bytes:
@@ -148,29 +167,41 @@ def install_tracing(path: str) -> None:
 
     warm_path.WarmPath.rehearse = rehearse  # type: ignore[method-assign]
 
-    def finish(self: Any) -> None:
-        mark("finish_in")
-        # after everything the transfer enqueued, its event records included: when each stream went idle
+    idle_events: dict[int, dict[str, Any]] = {}
+    orig_completion = cuda_target.CudaIpcTarget.completion
+
+    def completion(self: Any) -> Any:
+        # when each stream goes idle after everything the transfer enqueued, its event records included
+        # (recorded before the completion's own event, so that event's wait covers them)
         idle = {name: torch.cuda.Event(enable_timing=True) for name in ("kernel", "copy")}
         idle["kernel"].record(self.engine.stream)
         if self.engine.copy_stream is not None:
             idle["copy"].record(self.engine.copy_stream)
-        e = self.engine
-        if e.copy_stream is not None:
-            e.copy_stream.synchronize()
-            mark("copy_stream_synced")
-        e.stream.synchronize()
+        done = orig_completion(self)
+        idle_events[id(done)] = {"idle": idle, "copy_stream": self.engine.copy_stream is not None}
+        return done
+
+    cuda_target.CudaIpcTarget.completion = completion  # type: ignore[method-assign]
+    orig_wait = cuda_target.DeviceCompletion.wait
+
+    def wait(self: Any) -> None:
+        mark("finish_in")
+        orig_wait(self)
         mark("finish_out")
+        entry = idle_events.pop(id(self), None)
+        if entry is None:
+            return
+        idle = entry["idle"]
         while pending:
             t0, ev0, evs = pending.pop()
             for i, ev in enumerate(evs):
                 if i in (0, len(evs) - 1):
                     mark(f"gpu_slice{'0' if i == 0 else '_last'}_done", t0 + ev0.elapsed_time(ev) / 1e3)
             mark("gpu_kernel_stream_idle", t0 + ev0.elapsed_time(idle["kernel"]) / 1e3)
-            if e.copy_stream is not None:
+            if entry["copy_stream"]:
                 mark("gpu_copy_stream_idle", t0 + ev0.elapsed_time(idle["copy"]) / 1e3)
 
-    cuda_target.CudaIpcTarget.finish = finish
+    cuda_target.DeviceCompletion.wait = wait  # type: ignore[method-assign]
 
 
 def serve_traced(argv: list[str]) -> int:
@@ -214,7 +245,7 @@ def trace_engine_side() -> dict[str, float]:
 
 
 CPU_MARKS = ("recv", "handler_in", "locate_in", "executor_in", "transfer_in", "scatter_in", "table_in", "table_out",
-             "scatter_out", "publish", "all_enqueued", "finish_in", "finish_out", "handler_out", "reply_sent")
+             "scatter_out", "publish", "all_enqueued", "handler_out")
 """Marks the dispatching thread takes from the request's decode to its reply, reported also as that thread's
 CPU time (``name@cpu``, from ``recv``): wall time beyond CPU time is time the thread waited."""
 

@@ -24,7 +24,7 @@ from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLay
 from .protocol import RequestType
 from .targets import Target, open_target
 from .shm import sweep_stale_segments
-from .transport import Server, hands_over_turn
+from .transport import Deferred, Server, hands_over_turn
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class CacheServer:
 
     @hands_over_turn
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
-                 event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
+                 event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
         inst = self._instance(instance_id)
         ck = CacheKey.from_wire(key)
         n = ck.num_tokens
@@ -198,7 +198,7 @@ class CacheServer:
         inst.target.wait_for_engine(event_handle)
         if not inst.target.enqueues:
             self.transport.release_turn()  # this target copies in the call: free the socket first
-        stored = skipped = 0
+        skipped = 0
         # Every chunk's gather is enqueued before one finish(): a device target then
         # copies chunk after chunk back to back instead of idling between them.
         pending: list[tuple[StoredObject, int]] = []
@@ -226,7 +226,7 @@ class CacheServer:
                 finally:
                     executor.close()
                 self.transport.release_turn()  # the copy engine has work: other requests may be taken now
-            inst.target.finish()
+            done = inst.target.completion()
         except BaseException:
             try:
                 inst.target.finish()  # no copy may still write into memory handed back below
@@ -235,12 +235,24 @@ class CacheServer:
             for obj, _ in pending:
                 self.store.abandon(obj)
             raise
-        for obj, count in pending:
-            self.store.commit(obj)
-            stored += count
-        if full is not None:
-            raise full
-        return {"stored_tokens": stored, "skipped_tokens": skipped}
+
+        def settle() -> dict[str, Any]:
+            try:
+                done.wait()
+            except BaseException:
+                for obj, _ in pending:
+                    self.store.abandon(obj)
+                raise
+            stored = 0
+            for obj, count in pending:
+                self.store.commit(obj)
+                stored += count
+            if full is not None:
+                raise full
+            return {"stored_tokens": stored, "skipped_tokens": skipped}
+
+        # A device target answers once its copies are done, from the transport's polling thread.
+        return Deferred(settle, done.ready, done.handle) if inst.target.enqueues else settle()
 
     @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
@@ -257,8 +269,13 @@ class CacheServer:
                 result = self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
                 keep_locks = True  # the worker copies now; FREE_LOOKUP_LOCKS or END_SESSION unpins
                 return result
-            return self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
-                                             board, arrival_board, layer_event_handles, layers_per_stage)
+            outcome = self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
+                                                board, arrival_board, layer_event_handles, layers_per_stage)
+            if isinstance(outcome, Deferred):
+                keep_locks = True  # until it settles
+                return Deferred(self._settling_retrieve(outcome.settle, ck.request_id, board, arrival_board),
+                                outcome.ready, outcome.wait_handle)
+            return outcome
         except Exception:
             if board is not None and arrival_board is not None:
                 board.fail(arrival_board["slot"], arrival_board["generation"])
@@ -266,6 +283,22 @@ class CacheServer:
         finally:
             if not keep_locks:
                 self._release_locks(ck.request_id)
+
+    def _settling_retrieve(self, settle: Any, request_id: str, board: ArrivalBoard | None,
+                           board_ref: dict[str, Any] | None) -> Any:
+        """A deferred retrieve's settle, with the failure and lock handling retrieve() gives the rest."""
+
+        def run() -> dict[str, Any]:
+            try:
+                return settle()
+            except Exception:
+                if board is not None and board_ref is not None:
+                    board.fail(board_ref["slot"], board_ref["generation"])
+                raise
+            finally:
+                self._release_locks(request_id)
+
+        return run
 
     # --- retrieve paths --------------------------------------------------------------
 
@@ -293,7 +326,7 @@ class CacheServer:
     def _retrieve_into_cache(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
                              event_handle: bytes | None, skip: int, board: ArrivalBoard | None,
                              board_ref: dict[str, Any] | None, layer_event_handles: list[bytes] | None,
-                             layers_per_stage: int) -> dict[str, Any]:
+                             layers_per_stage: int) -> dict[str, Any] | Deferred:
         layout = inst.layout
         n = ck.num_tokens
         if skip > n:
@@ -335,17 +368,23 @@ class CacheServer:
             executor.close()
         if event_handle is not None:
             target.record(target.open_layer_events([event_handle]))
-        target.finish()
+        done = target.completion()
         reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
                  "objects": None, "pool": None}
-        if board is not None:
-            # The worker settles on this word without waiting for the reply, so it is the
-            # last thing this retrieve writes to the slot (the slot may be reused at once).
-            board.publish(board_ref["slot"], board_ref["generation"], layout.num_layers, complete=True)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("retrieve %s: %d tokens into instance %d, width %d, %.2f ms", ck.request_id,
-                      job.num_tokens, inst.instance_id, width, (time.perf_counter() - started) * 1e3)
-        return reply
+
+        def settle() -> dict[str, Any]:
+            done.wait()
+            if board is not None:
+                # The worker settles on this word without waiting for the reply, so it is the
+                # last thing this retrieve writes to the slot (the slot may be reused at once).
+                board.publish(board_ref["slot"], board_ref["generation"], layout.num_layers, complete=True)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("retrieve %s: %d tokens into instance %d, width %d, %.2f ms", ck.request_id,
+                          job.num_tokens, inst.instance_id, width, (time.perf_counter() - started) * 1e3)
+            return reply
+
+        # A device target answers once its copies are done, from the transport's polling thread.
+        return Deferred(settle, done.ready, done.handle) if target.enqueues else settle()
 
     # --- keeping the path warm ----------------------------------------------------------
 

@@ -20,6 +20,34 @@ from .planner import Executor
 from .shm import Segment
 
 
+class Completion(Protocol):
+    """The end of one transfer's copies on a device (see :meth:`Target.completion`)."""
+
+    handle: int
+    """What the transport's busy-wait function can watch without the GIL (a raw CUDA event), or 0."""
+
+    def ready(self) -> bool:
+        """Without blocking: have the copies completed? (May say so late, never early.)"""
+
+    def wait(self) -> None:
+        """Block until they have; raise the device's error if they failed."""
+
+
+class _Done:
+    """The completion of copies that ran inside the executor's calls (CPU targets)."""
+
+    handle = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = _Done()
+
+
 class Target(Protocol):
     layout: PagedKVLayout
     device: str
@@ -47,6 +75,10 @@ class Target(Protocol):
 
     def finish(self) -> None:
         """Block until every copy enqueued so far is complete."""
+
+    def completion(self) -> "Completion":
+        """Mark everything enqueued so far, for the transfer that enqueued it: lets the server answer from
+        its polling thread the moment the device is done, instead of from a thread blocked in finish()."""
 
     def close(self) -> None: ...
 
@@ -93,6 +125,9 @@ class ShmTarget:
 
     def finish(self) -> None:
         return None
+
+    def completion(self) -> "Completion":
+        return DONE  # copies ran inside the executor's calls
 
     def close(self) -> None:
         self.regions.clear()

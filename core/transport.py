@@ -55,6 +55,12 @@ _POLL_MS = 100
 _IDLE_S = 1.0
 """How long a thread waiting for the turn sleeps before it looks for queued work (a hand-over wakes it sooner)."""
 
+_SPIN_SLICE_S = 100e-6
+"""Busy polling returns to Python this often to look for newly deferred replies (see :class:`Deferred`)."""
+
+_AWAIT_SPIN_S = 2e-3
+"""With replies deferred on handles the busy-wait function watches, it spins this long at most per call."""
+
 
 def hands_over_turn(handler: Handler) -> Handler:
     """Mark a blocking handler that calls :meth:`Server.release_turn` once its latency-critical start is done.
@@ -65,6 +71,29 @@ def hands_over_turn(handler: Handler) -> Handler:
     """
     handler.hands_over_turn = True  # type: ignore[attr-defined]
     return handler
+
+
+class Deferred:
+    """What a blocking handler returns when its device is still copying: the reply comes once it is done.
+
+    ``ready()`` says, without blocking, whether the device has finished (a hint:
+    it may say so late, never early); ``settle()`` then finishes the request (it
+    may block until the device is done, release what the request held, raise) and
+    returns the reply's value. ``wait_handle``, if not 0, is a handle the server's
+    busy-wait function can watch without the GIL (a raw CUDA event).
+
+    With busy polling on, the thread that polls the socket also watches these and
+    settles each one as soon as it is ready, so the reply leaves within
+    microseconds of the copy's end from a thread that is awake, and the handler's
+    own thread is free at once. Without it, the handler's thread settles it at once.
+    """
+
+    __slots__ = ("settle", "ready", "wait_handle")
+
+    def __init__(self, settle: Callable[[], Any], ready: Callable[[], bool], wait_handle: int = 0) -> None:
+        self.settle = settle
+        self.ready = ready
+        self.wait_handle = wait_handle
 
 
 class RemoteError(RuntimeError):
@@ -138,14 +167,17 @@ class SharedSocket:
             self.sock.send_multipart(frames)  # always a copy: see copy_threshold above
             self._drain()
 
-    def wait(self, timeout_ms: int, spin_us: int = 0) -> None:
+    def wait(self, timeout_ms: int, spin_us: int = 0, events: list[int] | None = None) -> None:
         """Wait until the socket may have input (or the timeout), then drain it. One waiter at a time.
 
         With ``spin_us`` and a :attr:`busy_wait` function, first poll without
-        sleeping for up to that long (outside the GIL), then sleep as usual.
+        sleeping for up to that long (outside the GIL), then sleep as usual. The
+        spin also ends when one of ``events`` (handles the busy-wait function
+        understands) has completed; the caller then looks at what it waits for.
         """
         if not self.inbox:
-            spun_to_input = spin_us > 0 and self.busy_wait is not None and self.busy_wait(self._fd, spin_us)
+            spun_to_input = spin_us > 0 and self.busy_wait is not None and (
+                self.busy_wait(self._fd, spin_us, events) if events else self.busy_wait(self._fd, spin_us))
             if not spun_to_input:
                 self._poll.poll(timeout_ms)
         with self._lock:
@@ -201,6 +233,9 @@ class Server:
         self._warm_every_s = 0.0
         self._next_warm = 0.0
         self._warm_body: bytes | None = None  # the latest blocking request, decoded again by each rehearsal
+        self._awaiting: list[tuple[bytes, codec.Request, Deferred]] = []
+        """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
+        self._awaiting_lock = threading.Lock()
         self.rehearsals = 0
         """Keep-warm rounds run so far (see :meth:`enable_busy_poll`)."""
         self._local = threading.local()  # .holds_turn: this thread is the leader
@@ -267,6 +302,12 @@ class Server:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10)
+        with self._awaiting_lock:
+            left, self._awaiting = self._awaiting, []
+        for _, request, deferred in left:  # no reply goes out any more, but what they hold is released
+            self._settle(request, deferred)
+        if left:
+            log.info("stopped with %d transfer(s) in flight: settled without replies", len(left))
         if self._sock is not None:
             self._sock.close()
         self._ctx.term()
@@ -301,40 +342,90 @@ class Server:
 
         The blocking request runs on this thread, which hands the turn on before
         the handler starts, or (:func:`hands_over_turn`) when the handler says so.
+        Meanwhile this thread also settles deferred replies whose device is done.
         """
         self._local.holds_turn = True
         try:
             while not self._stop.is_set():
+                if self._awaiting:
+                    queued = self._settle_ready()
+                    if queued is not None:  # a settled transfer freed the slot a queued one waited for
+                        self._start_blocking(*queued)
+                        return
                 frames = self._pop(sock)
                 if frames is None:
-                    now = time.monotonic()
-                    spin_s = self._last_request + self._busy_window_s - now
-                    if spin_s > 0 and self._keep_warm is not None:
-                        if now >= self._next_warm:
-                            self._rehearse()
-                        else:  # spin until the next rehearsal is due, then come back without sleeping
-                            sock.wait(0, int(min(spin_s, self._next_warm - now) * 1e6) + 1)
-                        continue
-                    sock.wait(_POLL_MS, int(spin_s * 1e6) if spin_s > 0 else 0)
+                    self._wait(sock)
                     continue
                 decoded = self._decode(frames)
                 if decoded is None:
                     continue
                 identity, request = decoded
                 if not DECLARATIONS[request.request_type].blocking:
-                    self._send(identity, self._run(request))
+                    reply = self._run(request)
+                    self._send(identity, self._settle(request, reply) if isinstance(reply, Deferred) else reply)
                     continue
                 with self._work:
                     if self._blocking_running >= self.transfer_threads:
                         self._blocking_queued.append((identity, request))
                         continue
                     self._blocking_running += 1
-                if not getattr(self._handlers[request.request_type], "hands_over_turn", False):
-                    self.release_turn()
-                self._run_blocking(identity, request)
+                self._start_blocking(identity, request)
                 return
         finally:
             self.release_turn()
+
+    def _wait(self, sock: SharedSocket) -> None:
+        """Wait for the socket as the leader: spin inside the busy window (or while replies are deferred),
+        rehearsing when due, else sleep."""
+        now = time.monotonic()
+        spin_s = self._last_request + self._busy_window_s - now
+        awaiting = self._awaiting
+        if awaiting:
+            spin_s = max(spin_s, _AWAIT_SPIN_S)  # transfers in flight: keep watching them whatever the window
+        if spin_s <= 0 or self._busy_wait is None:
+            sock.wait(_POLL_MS)
+            return
+        if self._keep_warm is not None:
+            if now >= self._next_warm:
+                self._rehearse()
+                return
+            spin_s = min(spin_s, self._next_warm - now)
+        handles = [d.wait_handle for _, _, d in awaiting]
+        if handles and all(handles):  # the busy-wait function watches them: no need to come back early
+            sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles)
+        else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
+            sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1)
+
+    def _start_blocking(self, identity: bytes, request: codec.Request) -> None:
+        """Run a blocking request (its slot already counted) on this thread, handing the turn over first
+        unless the handler keeps it (:func:`hands_over_turn`)."""
+        if not getattr(self._handlers[request.request_type], "hands_over_turn", False):
+            self.release_turn()
+        self._run_blocking(identity, request)
+
+    def _settle_ready(self) -> tuple[bytes, codec.Request] | None:
+        """Settle and answer every deferred reply whose device is done; returns a queued blocking request
+        that may run now in a freed slot, if any (its slot counted)."""
+        with self._awaiting_lock:
+            entries = list(self._awaiting)
+        settled = False
+        for entry in entries:
+            identity, request, deferred = entry
+            try:
+                ready = deferred.ready()
+            except Exception:  # settle() reports what went wrong
+                ready = True
+            if not ready:
+                continue
+            with self._awaiting_lock:
+                self._awaiting.remove(entry)
+            try:
+                self._send(identity, self._settle(request, deferred))
+            finally:
+                with self._work:
+                    self._blocking_running -= 1
+            settled = True
+        return self._take_queued_blocking() if settled else None
 
     def _rehearse(self) -> None:
         """One keep-warm round (see :meth:`enable_busy_poll`); a failing rehearsal turns keeping warm off."""
@@ -399,11 +490,21 @@ class Server:
         return identity, request
 
     def _run_blocking(self, identity: bytes, request: codec.Request) -> None:
+        deferred = False
         try:
-            self._send(identity, self._run(request))
+            reply = self._run(request)
+            if isinstance(reply, Deferred):
+                if self._busy_wait is not None and not self._stop.is_set():
+                    with self._awaiting_lock:  # the polling thread settles and answers it
+                        self._awaiting.append((identity, request, reply))
+                    deferred = True
+                    return
+                reply = self._settle(request, reply)
+            self._send(identity, reply)
         finally:
-            with self._work:
-                self._blocking_running -= 1
+            if not deferred:
+                with self._work:
+                    self._blocking_running -= 1
 
     def _send(self, identity: bytes, reply: bytes) -> None:
         assert self._sock is not None
@@ -413,10 +514,22 @@ class Server:
             if not self._stop.is_set():
                 log.warning("could not send a reply: %s", exc)
 
-    def _run(self, request: codec.Request) -> bytes:
+    def _run(self, request: codec.Request) -> bytes | Deferred:
         handler = self._handlers[request.request_type]
+        return self._reply(request, lambda: handler(*request.payload))
+
+    def _settle(self, request: codec.Request, deferred: Deferred) -> bytes:
+        reply = self._reply(request, deferred.settle)
+        if isinstance(reply, Deferred):
+            raise ProtocolError(f"{request.request_type.name}: a deferred reply settled into another deferred one")
+        return reply
+
+    def _reply(self, request: codec.Request, produce: Callable[[], Any]) -> bytes | Deferred:
+        """The encoded reply to ``request`` from ``produce()``'s value or error, or the Deferred it returned."""
         try:
-            result = handler(*request.payload)
+            result = produce()
+            if isinstance(result, Deferred):
+                return result
             self._count(True)
             return codec.encode_reply(request.request_id, True, result)
         except Exception as exc:

@@ -66,6 +66,8 @@ class CudaIpcTarget:
         with torch.cuda.device(self.index):
             self._event_stream = torch.cuda.Stream(self.index)
             self._slice_done = torch.cuda.Event()  # re-recorded per slice: a wait takes its latest record
+            self._copy_done = torch.cuda.Event()  # the copy stream's end, for completion()
+        self._done_events: list[torch.cuda.Event] = []  # completion() events whose transfer has settled
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
@@ -162,6 +164,24 @@ class CudaIpcTarget:
     def finish(self) -> None:
         self.engine.synchronize()
 
+    def completion(self) -> "DeviceCompletion":
+        """A mark after everything enqueued so far on both copy streams (see :class:`DeviceCompletion`)."""
+        e = self.engine
+        with self._events_lock:
+            done = self._done_events.pop() if self._done_events else None
+            if done is None:
+                with torch.cuda.device(self.index):
+                    done = torch.cuda.Event()
+            if e.copy_stream is not None:
+                self._copy_done.record(e.copy_stream)
+                e.stream.wait_event(self._copy_done)
+            done.record(e.stream)
+        return DeviceCompletion(self, done)
+
+    def _recycle(self, done: torch.cuda.Event) -> None:
+        with self._events_lock:
+            self._done_events.append(done)
+
     def close(self) -> None:
         try:
             self.engine.synchronize()
@@ -175,3 +195,41 @@ class CudaIpcTarget:
         self._event_lists.clear()
         self._events.clear()
         self._regions.clear()
+
+
+class DeviceCompletion:
+    """One transfer's end on the GPU: an event recorded after its copies on both streams.
+
+    The server's polling thread watches :attr:`handle` in its GIL-free spin and
+    answers the moment the copies end; :meth:`wait` blocks on this transfer's
+    event alone (not on what later transfers queued behind it) and raises a CUDA
+    error as a synchronize would. The event goes back to the target's pool once
+    seen complete.
+    """
+
+    __slots__ = ("handle", "_target", "_event", "_query", "_seen")
+
+    def __init__(self, target: CudaIpcTarget, event: torch.cuda.Event) -> None:
+        self._target = target
+        self._event = event
+        self.handle = event.cuda_event
+        ext = target.engine.ext
+        self._query = ext.event_query if ext is not None else (lambda _h: event.query())
+        self._seen = False
+
+    def ready(self) -> bool:
+        if self._seen:
+            return True
+        if self._query(self.handle):
+            self._done()
+            return True
+        return False
+
+    def wait(self) -> None:
+        if not self._seen:
+            self._event.synchronize()
+            self._done()
+
+    def _done(self) -> None:
+        self._seen = True
+        self._target._recycle(self._event)  # re-recorded only by a later completion()

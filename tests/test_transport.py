@@ -19,7 +19,7 @@ import pytest
 
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.protocol import DECLARATIONS, RequestType
-from kvstrata.core.transport import Client, RemoteError, Server
+from kvstrata.core.transport import Client, Deferred, RemoteError, Server
 
 KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
 
@@ -249,6 +249,83 @@ def test_a_failing_keep_warm_is_turned_off_with_a_warning(serve: Any, caplog: An
                 time.sleep(0.005)
     assert calls["n"] == 1
     assert "keeping the transfer path warm failed and is now off: scratch transfer failed" in caplog.text
+
+
+class DeviceTransfers:
+    """RETRIEVE as a device target runs it: the handler returns at once with a Deferred that is ready
+    ``delay`` later (a copy on a device); settling it answers ``instance_id``, or fails from 100 up."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.started: list[int] = []
+        self.settled: list[int] = []
+        self.settled_early: list[int] = []  # settle() called before the device was done: it had to wait
+
+    def retrieve(self, key: dict, instance_id: int, *rest: Any) -> Deferred:
+        self.started.append(instance_id)
+        end = time.monotonic() + self.delay
+
+        def settle() -> dict:
+            if time.monotonic() < end:
+                self.settled_early.append(instance_id)
+            time.sleep(max(0.0, end - time.monotonic()))  # what waiting on the device does if called early
+            self.settled.append(instance_id)
+            if instance_id >= 100:
+                raise RuntimeError(f"copy {instance_id} failed on the device")
+            return {"instance_id": instance_id}
+
+        return Deferred(settle, lambda: time.monotonic() >= end)
+
+
+def test_deferred_replies_are_settled_by_the_polling_thread_and_free_the_handler(serve: Any) -> None:
+    """With busy polling, a deferred transfer's thread is free at once; the leader answers when it is ready,
+    failures included, and a queued transfer runs when a settled one frees its slot."""
+    transfers = DeviceTransfers(delay=0.05)
+    server = serve(1, transfers)
+    server.enable_busy_poll(python_busy_wait, 5.0)
+    with Client(server.address, default_timeout=10) as client:
+        t = time.monotonic()
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (1, 102, 3)]
+        pings = [client.call(RequestType.PING, [], timeout=5) for _ in range(5)]  # answered meanwhile
+        assert client.wait(futures[0])["instance_id"] == 1
+        with pytest.raises(RemoteError, match="RETRIEVE: copy 102 failed on the device"):
+            client.wait(futures[1])
+        assert client.wait(futures[2])["instance_id"] == 3
+        elapsed = time.monotonic() - t
+    assert pings == ["pong"] * 5
+    assert transfers.settled == [1, 102, 3]  # one slot: each ran after the previous one settled
+    assert elapsed >= 0.15
+    # the polling thread settled each once ready: no thread sat in settle() waiting for the device
+    assert transfers.settled_early == []
+    assert server.requests_rejected == 1
+
+
+def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
+    transfers = DeviceTransfers(delay=0.02)
+    server = serve(2, transfers)
+    with Client(server.address, default_timeout=10) as client:
+        assert client.call(RequestType.RETRIEVE, retrieve_payload(4))["instance_id"] == 4
+    assert transfers.settled_early == [4]  # settled in the handler's thread right away, waiting there
+
+
+def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
+    transfers = DeviceTransfers(delay=0.3)
+    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=1)
+    for rt, decl in DECLARATIONS.items():
+        server.register(rt, handler_of_arity(decl.arity, transfers.retrieve if rt == RequestType.RETRIEVE
+                                             else (lambda *a: {})))
+    server.start()
+    server.enable_busy_poll(python_busy_wait, 5.0)
+    client = Client(server.address, default_timeout=10)
+    try:
+        client.submit(RequestType.RETRIEVE, retrieve_payload(9))
+        deadline = time.monotonic() + 5
+        while not transfers.started and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        server.stop()
+        client.close()
+    assert transfers.settled == [9]
 
 
 def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve: Any) -> None:
