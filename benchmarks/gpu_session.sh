@@ -19,16 +19,19 @@ t=$(date +%s); python3 -c "from kvstrata.native import cuda_ext; cuda_ext.load()
 echo "extension built in $(( $(date +%s) - t )) s"
 rc=0
 if [[ ",$phases," == *",tests,"* ]]; then
-  python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 200 > "$out/gpu-tests.log" 2>&1 || rc=1
+  # bounded, and the benchmarks are skipped after a failure: a hang must not eat the machine's time
+  timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider --timeout 60 \
+    > "$out/gpu-tests.log" 2>&1 || rc=1
   tail -3 "$out/gpu-tests.log"
+  if [[ $rc != 0 ]]; then grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20; exit $rc; fi
 fi
 if [[ ",$phases," == *",profile,"* ]]; then
-  python3 benchmarks/profile_retrieve.py --reps 7 --widths 0,1,32 --out "$out/profile-retrieve.json" \
+  timeout 150 python3 benchmarks/profile_retrieve.py --reps 7 --widths 0,1,32 --out "$out/profile-retrieve.json" \
     > "$out/profile-retrieve.txt" 2>&1 || rc=1
   tail -4 "$out/profile-retrieve.txt"
 fi
 if [[ ",$phases," == *",transfer,"* ]]; then
-  python3 benchmarks/transfer.py --modes staged --reps 15 ${TRANSFER_ARGS:-} --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
+  timeout 300 python3 benchmarks/transfer.py --modes staged --reps 15 ${TRANSFER_ARGS:-} --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
   tail -25 "$out/transfer.txt"
 fi
 exit $rc

@@ -45,9 +45,10 @@ from .protocol import DECLARATIONS, ProtocolError, RequestType, check_handler_si
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
-BusyWait = Callable[[int, int], bool]
-"""``busy_wait(fd, max_us)``: poll ``fd`` without sleeping and without the GIL; True once readable.
-The CUDA extension provides one (``spin_until_readable``); see :meth:`Server.enable_busy_poll`."""
+BusyWait = Callable[..., bool]
+"""``busy_wait(fd, max_us, *, events=...)``: poll ``fd`` without sleeping and without the GIL; True once
+readable or, given ``events`` (handles such as a :class:`Deferred`'s ``wait_handle``), once one of them has
+completed. The CUDA extension provides one (``spin_until_readable``); see :meth:`Server.enable_busy_poll`."""
 
 _POLL_MS = 100
 """How long a waiting thread sleeps on the socket before it checks for shutdown."""
@@ -177,7 +178,7 @@ class SharedSocket:
         """
         if not self.inbox:
             spun_to_input = spin_us > 0 and self.busy_wait is not None and (
-                self.busy_wait(self._fd, spin_us, events) if events else self.busy_wait(self._fd, spin_us))
+                self.busy_wait(self._fd, spin_us, events=events) if events else self.busy_wait(self._fd, spin_us))
             if not spun_to_input:
                 self._poll.poll(timeout_ms)
         with self._lock:
@@ -330,12 +331,18 @@ class Server:
         sock = self._sock
         assert sock is not None
         while not self._stop.is_set():
-            queued = self._take_queued_blocking()
-            if queued is not None:
-                self._run_blocking(*queued)
-                continue
-            if self._turn.acquire(timeout=_IDLE_S):
-                self._lead(sock)
+            try:
+                queued = self._take_queued_blocking()
+                if queued is not None:
+                    self._run_blocking(*queued)
+                    continue
+                if self._turn.acquire(timeout=_IDLE_S):
+                    self._lead(sock)
+            except Exception:  # a server thread that died would leave requests unanswered for good
+                if self._stop.is_set():
+                    return
+                log.exception("server thread %s: unexpected error; it goes on serving",
+                              threading.current_thread().name)
 
     def _lead(self, sock: SharedSocket) -> None:
         """Hold the turn: wait on the socket and serve quick requests until a blocking one arrives.
@@ -382,7 +389,10 @@ class Server:
         awaiting = self._awaiting
         if awaiting:
             spin_s = max(spin_s, _AWAIT_SPIN_S)  # transfers in flight: keep watching them whatever the window
-        if spin_s <= 0 or self._busy_wait is None:
+        if self._busy_wait is None:
+            sock.wait(1 if awaiting else _POLL_MS)  # deferred replies are looked at every millisecond
+            return
+        if spin_s <= 0:
             sock.wait(_POLL_MS)
             return
         if self._keep_warm is not None:
@@ -391,10 +401,17 @@ class Server:
                 return
             spin_s = min(spin_s, self._next_warm - now)
         handles = [d.wait_handle for _, _, d in awaiting]
-        if handles and all(handles):  # the busy-wait function watches them: no need to come back early
-            sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles)
-        else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
-            sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1)
+        try:
+            if handles and all(handles):  # the busy-wait function watches them: no need to come back early
+                sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles)
+            else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
+                sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1)
+        except zmq.ZMQError:
+            raise
+        except Exception as exc:
+            log.error("busy polling failed and is now off (waits sleep on the socket instead): %s", exc)
+            self._busy_wait = None
+            sock.busy_wait = None
 
     def _start_blocking(self, identity: bytes, request: codec.Request) -> None:
         """Run a blocking request (its slot already counted) on this thread, handing the turn over first

@@ -300,6 +300,40 @@ def test_deferred_replies_are_settled_by_the_polling_thread_and_free_the_handler
     assert server.requests_rejected == 1
 
 
+def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve: Any) -> None:
+    """Deferreds with wait handles are watched by the busy-wait function itself, called the way the server's
+    CUDA target provides it (a partial with warm_stream, events by keyword); handles here name flags."""
+    import functools
+    import select
+
+    flags: dict[int, threading.Event] = {}
+    watched: list[list[int]] = []
+
+    def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
+        if events:
+            watched.append(list(events))
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        deadline = time.monotonic() + max_us / 1e6
+        while time.monotonic() < deadline:
+            if p.poll(0) or any(flags[h].is_set() for h in events or ()):
+                return True
+        return False
+
+    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
+        flag = flags[instance_id + 1] = threading.Event()
+        threading.Timer(0.03, flag.set).start()  # the device finishes 30 ms later
+        return Deferred(lambda: {"instance_id": instance_id}, flag.is_set, instance_id + 1)
+
+    server = serve(2, SlowTransfers(0))
+    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    server.enable_busy_poll(functools.partial(spin, warm_stream=1234), 5.0)
+    with Client(server.address, default_timeout=10) as client:
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (5, 6)]
+        assert sorted(client.wait(f)["instance_id"] for f in futures) == [5, 6]
+    assert any(set(w) <= {6, 7} and w for w in watched)
+
+
 def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
     transfers = DeviceTransfers(delay=0.02)
     server = serve(2, transfers)
