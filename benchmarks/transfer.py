@@ -267,7 +267,8 @@ def _spin_until_released(worker, rid: str, timeout: float = 30.0) -> None:
 
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
-                   widths: list[int], server_args: list[str] | None = None) -> dict[str, Any]:
+                   widths: list[int], server_args: list[str] | None = None,
+                   server_env: dict[str, str] | None = None) -> dict[str, Any]:
     from kvstrata.core.client import CacheClient
     from kvstrata.core.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
@@ -281,9 +282,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     truth = cache.random_kv(tokens, seed=2)
     cache.write(truth, src)
     torch.cuda.synchronize()
-    old_env = os.environ.get("KVSTRATA_CUDA_MODE")
-    os.environ["KVSTRATA_CUDA_MODE"] = mode
-    out: dict[str, Any] = {"mode": mode, "server_args": server_args or []}
+    env = {"KVSTRATA_CUDA_MODE": mode, **(server_env or {})}  # the server child inherits them
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "server_env": server_env or {}}
     try:
         with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
                            extra_args=server_args) as srv:
@@ -370,10 +372,11 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 worker.close()
                 client.close()
     finally:
-        if old_env is None:
-            os.environ.pop("KVSTRATA_CUDA_MODE", None)
-        else:
-            os.environ["KVSTRATA_CUDA_MODE"] = old_env
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return out
 
 
@@ -416,9 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
-    p.add_argument("--keep-warm-ab", action="store_true",
-                   help="also run the primary mode's server phase with the server's keep-warm rehearsals off "
-                        "(--keep-warm-ms 0), right after it on the same machine: an A/B of that option")
+    p.add_argument("--ab", action="append", default=[], metavar="NAME=SETTING",
+                   help="also run the primary mode's server phase as variant NAME, right after it on the same "
+                        "machine: SETTING is server arguments (starting with --) or VAR=VALUE environment "
+                        "settings, space separated; e.g. --ab 'keep_warm=--keep-warm-ms 1' "
+                        "--ab 'no_yield=KVSTRATA_SPIN_YIELD=0' (repeatable)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -449,9 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         phases.append((f"server_{mode}", lambda m=mode: measure_server(m, args.tokens, args.chunk, args.block_size,
                                                                        args.reps, widths)))
-        if args.keep_warm_ab and mode == modes[0]:
-            phases.append((f"server_{mode}_keep_warm_off", lambda m=mode: measure_server(
-                m, args.tokens, args.chunk, args.block_size, args.reps, widths, ["--keep-warm-ms", "0"])))
+        if mode == modes[0]:
+            for spec in args.ab:
+                name, _, setting = spec.partition("=")
+                words = setting.split()
+                cli = [w for w in words if w.startswith("--") or not ("=" in w and w.split("=")[0].isupper())]
+                env = dict(w.split("=", 1) for w in words if w not in cli)
+                phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, e=env: measure_server(
+                    m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, e)))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue

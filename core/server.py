@@ -40,9 +40,11 @@ class ServerConfig:
     allow_remote: bool = False
     busy_poll_ms: float = 25.0
     """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
-    keep_warm_ms: float = 1.0
+    keep_warm_ms: float = 0.0
     """Inside that window, rehearse a scratch transfer on the latest GPU target this often, so that the
-    next transfer's host path is still in the core's caches (0: off; see ``kvstrata.native.warm_path``)."""
+    next transfer's host path is still in the core's caches (0: off, the default: on the H200 it made the
+    first slice's host work faster in isolation but transfers in flight finish later; see
+    ``kvstrata.native.warm_path`` and ``benchmarks/README.md``)."""
 
 
 @dataclass

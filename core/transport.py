@@ -237,6 +237,8 @@ class Server:
         self._awaiting: list[tuple[bytes, codec.Request, Deferred]] = []
         """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
         self._awaiting_lock = threading.Lock()
+        self._defer_replies = os.environ.get("KVSTRATA_DEFERRED_REPLIES", "1") != "0"
+        """KVSTRATA_DEFERRED_REPLIES=0: a handler's own thread settles its Deferred (as without busy polling)."""
         self.rehearsals = 0
         """Keep-warm rounds run so far (see :meth:`enable_busy_poll`)."""
         self._local = threading.local()  # .holds_turn: this thread is the leader
@@ -511,7 +513,7 @@ class Server:
         try:
             reply = self._run(request)
             if isinstance(reply, Deferred):
-                if self._busy_wait is not None and not self._stop.is_set():
+                if self._busy_wait is not None and self._defer_replies and not self._stop.is_set():
                     with self._awaiting_lock:  # the polling thread settles and answers it
                         self._awaiting.append((identity, request, reply))
                     deferred = True

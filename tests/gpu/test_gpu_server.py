@@ -124,9 +124,17 @@ def test_chunks_stored_from_a_gpu_read_back_canonically_on_cpu(gpu_server, fmt, 
         cpu.close()
 
 
-def test_the_server_keeps_the_path_warm_only_inside_its_busy_window(gpu_server):
-    """With a GPU cache registered the server rehearses scratch transfers while it polls (server_info counts
-    them), stops when the 25 ms window after a request ends, and a retrieve after rehearsals is exact."""
+def test_the_server_keeps_the_path_warm_only_inside_its_busy_window():
+    """With --keep-warm-ms and a GPU cache registered the server rehearses scratch transfers while it polls
+    (server_info counts them), stops when the 25 ms window after a request ends, and a retrieve after
+    rehearsals is exact."""
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    with ServerProcess(l1_bytes=64 << 20, chunk_size=64, extra_args=["--keep-warm-ms", "1"]) as srv:
+        _keep_warm_case(srv)
+
+
+def _keep_warm_case(gpu_server) -> None:
     import time
 
     from kvstrata.native.cuda_events import CudaEventBackend
