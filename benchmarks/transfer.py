@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the primary mode's server phase as variant NAME, right after it on the same "
                         "machine: SETTING is server arguments (starting with --) or VAR=VALUE environment "
                         "settings, space separated; e.g. --ab 'keep_warm=--keep-warm-ms 1' "
-                        "--ab 'no_yield=KVSTRATA_SPIN_YIELD=0' (repeatable)")
+                        "--ab no_defer=KVSTRATA_DEFERRED_REPLIES=0 (repeatable)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

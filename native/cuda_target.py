@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from typing import Any, Sequence
 
@@ -92,9 +91,7 @@ class CudaIpcTarget:
         spin = getattr(ext, "spin_until_readable", None) if ext is not None else None
         if spin is None:
             return None
-        # KVSTRATA_SPIN_YIELD=0: spin without offering the CPU to threads woken meanwhile (for A/B runs)
-        return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream,
-                                 yield_cpu=os.environ.get("KVSTRATA_SPIN_YIELD", "1") != "0")
+        return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream)
 
     def keep_warm(self) -> None:
         """Rehearse a one-block transfer on this target's scratch cache (see :mod:`.warm_path`).

@@ -4,7 +4,6 @@
 // per-slice call must cost microseconds, and no torch headers keeps the build short.
 
 #include <poll.h>
-#include <sched.h>
 #include <pybind11/pybind11.h>
 
 #include <pybind11/stl.h>
@@ -54,12 +53,7 @@ void copy(bool scatter, uintptr_t planes, uintptr_t tokens, uint64_t src_base, i
 // With events, it also returns (true) as soon as any of them has completed: the server's
 // polling thread waits on the socket and on its transfers' completion at once, and sends
 // a reply within microseconds of the copy's end instead of after a thread's wake-up.
-//
-// With yield_cpu, each round also offers the CPU to any other runnable thread (sched_yield):
-// a thread this one woke (ZMQ's I/O thread, sending the reply just handed to it) may
-// have been placed on this CPU and would otherwise wait for the spin to be preempted.
-bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream, const std::vector<uintptr_t>& events,
-                         bool yield_cpu) {
+bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream, const std::vector<uintptr_t>& events) {
   py::gil_scoped_release no_gil;
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::microseconds(max_us);
@@ -73,7 +67,6 @@ bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream, const st
     for (uintptr_t e : events) {
       if (kvstrata::event_query(e)) return true;
     }
-    if (yield_cpu) ::sched_yield();
     if (warm_stream != 0) {
       const auto now = std::chrono::steady_clock::now();
       if (now >= next_touch) {
@@ -149,5 +142,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "handles) complete (True), or max_us passed (False); with warm_stream, query that CUDA stream every "
         "50 us meanwhile",
         py::arg("fd"), py::arg("max_us"), py::arg("warm_stream") = 0,
-        py::arg("events") = std::vector<uintptr_t>{}, py::arg("yield_cpu") = false);
+        py::arg("events") = std::vector<uintptr_t>{});
 }
