@@ -164,21 +164,27 @@ def test_a_polling_caller_resolves_replies_itself(serve: Any) -> None:
         client.close()
 
 
-def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
-    """The busy-poll path (on a GPU the extension's GIL-free poll) with a Python poll standing in for it."""
+def python_busy_wait(fd: int, max_us: int, done: Any = None) -> bool:
+    """A Python stand-in for the extension's GIL-free poll: True once ``fd`` is readable (or ``done()``),
+    else False after max_us."""
     import select
 
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    deadline = time.monotonic() + max_us / 1e6
+    while time.monotonic() < deadline:
+        if p.poll(0) or (done is not None and done()):
+            return True
+    return False
+
+
+def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
+    """The busy-poll path (on a GPU the extension's GIL-free poll) with a Python poll standing in for it."""
     calls = {"n": 0}
 
     def busy_wait(fd: int, max_us: int) -> bool:
         calls["n"] += 1
-        p = select.poll()
-        p.register(fd, select.POLLIN)
-        deadline = time.monotonic() + max_us / 1e6
-        while time.monotonic() < deadline:
-            if p.poll(0):
-                return True
-        return False
+        return python_busy_wait(fd, max_us)
 
     transfers = SlowTransfers(delay=0.01)
     server = serve(2, transfers)
@@ -192,19 +198,6 @@ def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
     assert calls["n"] > 0
     with pytest.raises(ValueError, match="window_ms must be >= 0"):
         server.enable_busy_poll(busy_wait, -1)
-
-
-def python_busy_wait(fd: int, max_us: int) -> bool:
-    """A Python stand-in for the extension's GIL-free poll: True once ``fd`` is readable, else after max_us."""
-    import select
-
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    deadline = time.monotonic() + max_us / 1e6
-    while time.monotonic() < deadline:
-        if p.poll(0):
-            return True
-    return False
 
 
 def test_keep_warm_runs_inside_the_busy_window_only_and_requests_still_flow(serve: Any) -> None:
@@ -304,7 +297,6 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
     """Deferreds with wait handles are watched by the busy-wait function itself, called the way the server's
     CUDA target provides it (a partial with warm_stream, events by keyword); handles here name flags."""
     import functools
-    import select
 
     flags: dict[int, threading.Event] = {}
     watched: list[list[int]] = []
@@ -312,13 +304,7 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
     def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
         if events:
             watched.append(list(events))
-        p = select.poll()
-        p.register(fd, select.POLLIN)
-        deadline = time.monotonic() + max_us / 1e6
-        while time.monotonic() < deadline:
-            if p.poll(0) or any(flags[h].is_set() for h in events or ()):
-                return True
-        return False
+        return python_busy_wait(fd, max_us, lambda: any(flags[h].is_set() for h in events or ()))
 
     def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
         flag = flags[instance_id + 1] = threading.Event()
