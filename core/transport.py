@@ -357,8 +357,10 @@ class Server:
         try:
             while not self._stop.is_set():
                 if self._awaiting:
-                    queued = self._settle_ready()
-                    if queued is not None:  # a settled transfer freed the slot a queued one waited for
+                    self._settle_ready()
+                if self._blocking_queued:  # a settled transfer may have freed a slot a queued one waits for
+                    queued = self._take_queued_blocking()
+                    if queued is not None:
                         self._start_blocking(*queued)
                         return
                 frames = self._pop(sock)
@@ -422,12 +424,10 @@ class Server:
             self.release_turn()
         self._run_blocking(identity, request)
 
-    def _settle_ready(self) -> tuple[bytes, codec.Request] | None:
-        """Settle and answer every deferred reply whose device is done; returns a queued blocking request
-        that may run now in a freed slot, if any (its slot counted)."""
+    def _settle_ready(self) -> None:
+        """Settle and answer every deferred reply whose device is done, freeing its transfer slot."""
         with self._awaiting_lock:
             entries = list(self._awaiting)
-        settled = False
         for entry in entries:
             identity, request, deferred = entry
             try:
@@ -443,8 +443,6 @@ class Server:
             finally:
                 with self._work:
                     self._blocking_running -= 1
-            settled = True
-        return self._take_queued_blocking() if settled else None
 
     def _rehearse(self) -> None:
         """One keep-warm round (see :meth:`enable_busy_poll`); a failing rehearsal turns keeping warm off."""

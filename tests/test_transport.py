@@ -248,21 +248,30 @@ class DeviceTransfers:
     """RETRIEVE as a device target runs it: the handler returns at once with a Deferred that is ready
     ``delay`` later (a copy on a device); settling it answers ``instance_id``, or fails from 100 up."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, together: tuple[int, ...] = ()) -> None:
         self.delay = delay
+        self.together = together  # these instance ids finish at one moment (the first one's end)
+        self._together_end: float | None = None
         self.started: list[int] = []
         self.settled: list[int] = []
+        self.spans: dict[int, list[float]] = {}  # instance_id -> [handler started, settled]
         self.settled_early: list[int] = []  # settle() called before the device was done: it had to wait
 
     def retrieve(self, key: dict, instance_id: int, *rest: Any) -> Deferred:
         self.started.append(instance_id)
+        self.spans[instance_id] = [time.monotonic()]
         end = time.monotonic() + self.delay
+        if instance_id in self.together:
+            if self._together_end is None:
+                self._together_end = end
+            end = self._together_end
 
         def settle() -> dict:
             if time.monotonic() < end:
                 self.settled_early.append(instance_id)
             time.sleep(max(0.0, end - time.monotonic()))  # what waiting on the device does if called early
             self.settled.append(instance_id)
+            self.spans[instance_id].append(time.monotonic())
             if instance_id >= 100:
                 raise RuntimeError(f"copy {instance_id} failed on the device")
             return {"instance_id": instance_id}
@@ -318,6 +327,19 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (5, 6)]
         assert sorted(client.wait(f)["instance_id"] for f in futures) == [5, 6]
     assert any(set(w) <= {6, 7} and w for w in watched)
+
+
+def test_every_queued_transfer_starts_when_settled_ones_free_their_slots(serve: Any) -> None:
+    """Two transfers settle together and free two slots: both queued transfers start then and run side by
+    side, rather than the second waiting for the first to settle."""
+    transfers = DeviceTransfers(delay=0.1, together=(0, 1))
+    server = serve(2, transfers)
+    server.enable_busy_poll(python_busy_wait, 5.0)
+    with Client(server.address, default_timeout=10) as client:
+        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(4)]
+        assert sorted(client.wait(f)["instance_id"] for f in futures) == [0, 1, 2, 3]
+    (a_start, a_end), (b_start, b_end) = (transfers.spans[i] for i in sorted(transfers.spans)[2:])
+    assert max(a_start, b_start) < min(a_end, b_end), f"the queued transfers ran one after the other: {transfers.spans}"
 
 
 def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
