@@ -6,7 +6,13 @@ spinning included (``benchmarks/profile_host.py --idle-study``,
 ``results/idle-study-h200.txt``): the planner's, executor's and driver's code and
 data have left the core's caches by then. Running the same code on a scratch
 transfer every millisecond of the server's busy-poll window keeps them there; in
-the same study a first slice after such rehearsals took 0.23 ms against 0.40 ms.
+the same study a first slice after such rehearsals took 0.23 ms against 0.40 ms
+(``results/idle-study-rehearsal-h200.txt``).
+
+Off by default (``--keep-warm-ms``): end to end on the H200 it lowered a width-1
+release once (0.80 against 0.91 ms) but made the wider layer-major transfers in
+flight finish later, since a rehearsal holds the GIL when such a transfer's
+thread needs it (``results/h200-2026-12-01-runs/``, runs 19 and 20).
 
 The rehearsal is a real transfer through the very functions a retrieve calls
 (plan, executor over pinned pool addresses, a one-layer slice with its token
