@@ -15,9 +15,12 @@ handler. A handler marked with :func:`hands_over_turn` keeps the turn until it
 calls :meth:`Server.release_turn`: the hand-over wakes a thread that then wants
 the GIL, and on a virtual machine that contention costs a tenth of a
 millisecond or more, so a transfer hands over only once its first slice is
-enqueued. At most ``transfer_threads`` threads run blocking handlers at once, so
-one thread is always left to answer PING and LOOKUP while transfers copy;
-blocking requests beyond that wait in a queue.
+enqueued. A handler whose device is still copying returns a :class:`Deferred`:
+the thread holding the turn watches its completion along with the socket and
+answers it from there, so the handler's thread is free once the copies are
+enqueued. At most ``transfer_threads`` transfers run at once, so one thread is
+always left to answer PING and LOOKUP while transfers copy; blocking requests
+beyond that wait in a queue.
 
 Client: the caller's thread sends; one I/O thread waits for replies and
 resolves futures.
