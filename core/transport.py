@@ -240,6 +240,7 @@ class Server:
         self._awaiting: list[tuple[bytes, codec.Request, Deferred]] = []
         """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
         self._awaiting_lock = threading.Lock()
+        self._watch_events = True  # off while transfers whose event failed to be watched are in flight
         self._defer_replies = os.environ.get("KVSTRATA_DEFERRED_REPLIES", "1") != "0"
         """KVSTRATA_DEFERRED_REPLIES=0: a handler's own thread settles its Deferred (as without busy polling)."""
         self.rehearsals = 0
@@ -408,14 +409,23 @@ class Server:
                 return
             spin_s = min(spin_s, self._next_warm - now)
         handles = [d.wait_handle for _, _, d in awaiting]
+        watch = bool(handles) and all(handles) and self._watch_events
         try:
-            if handles and all(handles):  # the busy-wait function watches them: no need to come back early
+            if watch:  # the busy-wait function watches them: no need to come back early
                 sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles)
             else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
                 sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1)
         except zmq.ZMQError:
             raise
         except Exception as exc:
+            if watch:
+                # Most likely a transfer failed on the device and its event reports the error: its
+                # settle() answers it with that error. Until the transfers watched now have all
+                # settled, their readiness is asked from Python between short spins instead.
+                log.warning("watching transfer completion events failed (%s); polling them from Python until "
+                            "they settle", exc)
+                self._watch_events = False
+                return
             log.error("busy polling failed and is now off (waits sleep on the socket instead): %s", exc)
             self._busy_wait = None
             sock.busy_wait = None
@@ -446,6 +456,8 @@ class Server:
             finally:
                 with self._work:
                     self._blocking_running -= 1
+        if not self._awaiting:
+            self._watch_events = True  # whatever made a watched event fail has been settled
 
     def _rehearse(self) -> None:
         """One keep-warm round (see :meth:`enable_busy_poll`); a failing rehearsal turns keeping warm off."""

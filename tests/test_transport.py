@@ -317,7 +317,7 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
 
     def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
         flag = flags[instance_id + 1] = threading.Event()
-        threading.Timer(0.03, flag.set).start()  # the device finishes 30 ms later
+        threading.Timer(0.2, flag.set).start()  # the device finishes 200 ms later: watched by then, even under load
         return Deferred(lambda: {"instance_id": instance_id}, flag.is_set, instance_id + 1)
 
     server = serve(2, SlowTransfers(0))
@@ -340,6 +340,59 @@ def test_every_queued_transfer_starts_when_settled_ones_free_their_slots(serve: 
         assert sorted(client.wait(f)["instance_id"] for f in futures) == [0, 1, 2, 3]
     (a_start, a_end), (b_start, b_end) = (transfers.spans[i] for i in sorted(transfers.spans)[2:])
     assert max(a_start, b_start) < min(a_end, b_end), f"the queued transfers ran one after the other: {transfers.spans}"
+
+
+def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_resumes(serve: Any,
+                                                                                     caplog: Any) -> None:
+    """A failed device transfer makes the busy-wait function raise while it watches that event (the CUDA
+    spin's event query throws): the failed transfer is answered with its error, a healthy one beside it
+    completes, busy polling stays on, and later transfers are watched by the busy-wait function again."""
+    import functools
+
+    watched: list[list[int]] = []
+    poisoned = 51
+    ends: dict[int, float] = {}
+
+    def query(handle: int, late: float = 0.0) -> bool:
+        """An event query as the driver answers it: done once the copy ends; the failed one raises then.
+        (``late``: Python's own checks see it 10 ms later, so that the busy-wait is the first to see it.)"""
+        if time.monotonic() < ends[handle] + late:
+            return False
+        if handle == poisoned:
+            raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
+        return True
+
+    def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
+        if events:
+            watched.append(list(events))
+        return python_busy_wait(fd, max_us, lambda: any(query(h) for h in events or ()))
+
+    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
+        handle = instance_id + 1
+        ends[handle] = time.monotonic() + (0.02 if handle == poisoned else 0.1)  # it fails while the other copies
+
+        def settle() -> dict:
+            if handle == poisoned:
+                raise RuntimeError(f"copy {instance_id} failed on the device")
+            return {"instance_id": instance_id}
+
+        return Deferred(settle, lambda: query(handle, late=0.01), handle)
+
+    server = serve(2, SlowTransfers(0))
+    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    server.enable_busy_poll(functools.partial(spin, warm_stream=1), 5.0)
+    with caplog.at_level("WARNING", logger="kvstrata.core.transport"):
+        with Client(server.address, default_timeout=10) as client:
+            good = client.submit(RequestType.RETRIEVE, retrieve_payload(5))
+            bad = client.submit(RequestType.RETRIEVE, retrieve_payload(poisoned - 1))
+            assert client.wait(good)["instance_id"] == 5
+            with pytest.raises(RemoteError, match="copy 50 failed on the device"):
+                client.wait(bad)
+            before = len(watched)
+            assert client.call(RequestType.RETRIEVE, retrieve_payload(7))["instance_id"] == 7
+    assert "watching transfer completion events failed" in caplog.text
+    assert "busy polling failed" not in caplog.text
+    assert any(w == [8] for w in watched[before:]), f"later transfers were not watched by the busy-wait again: {watched}"
 
 
 def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
