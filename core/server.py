@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import planner
 from .arrival_board import ArrivalBoard
@@ -22,7 +22,7 @@ from .keys import CacheKey
 from .l1_store import L1Store, StoreFull, StoredObject
 from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from .protocol import RequestType
-from .targets import Target, open_target
+from .targets import Completion, Target, open_target
 from .shm import sweep_stale_segments
 from .transport import Deferred, Server, hands_over_turn
 
@@ -253,13 +253,12 @@ class CacheServer:
                 raise full
             return {"stored_tokens": stored, "skipped_tokens": skipped}
 
-        # A device target answers once its copies are done, from the transport's polling thread.
-        return Deferred(settle, done.ready, done.handle) if inst.target.enqueues else settle()
+        return self._answer(inst.target, done, settle)
 
     @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
-                 layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any]:
+                 layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
         ck = CacheKey.from_wire(key)
         board: ArrivalBoard | None = None
         keep_locks = False
@@ -271,13 +270,9 @@ class CacheServer:
                 result = self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
                 keep_locks = True  # the worker copies now; FREE_LOOKUP_LOCKS or END_SESSION unpins
                 return result
-            outcome = self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
-                                                board, arrival_board, layer_event_handles, layers_per_stage)
-            if isinstance(outcome, Deferred):
-                keep_locks = True  # until it settles
-                return Deferred(self._settling_retrieve(outcome.settle, ck.request_id, board, arrival_board),
-                                outcome.ready, outcome.wait_handle)
-            return outcome
+            done, settle = self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
+                                                     board, arrival_board, layer_event_handles, layers_per_stage)
+            keep_locks = True  # from here the settle below releases them, however it ends
         except Exception:
             if board is not None and arrival_board is not None:
                 board.fail(arrival_board["slot"], arrival_board["generation"])
@@ -285,10 +280,18 @@ class CacheServer:
         finally:
             if not keep_locks:
                 self._release_locks(ck.request_id)
+        return self._answer(inst.target, done,
+                            self._settling_retrieve(settle, ck.request_id, board, arrival_board))
 
-    def _settling_retrieve(self, settle: Any, request_id: str, board: ArrivalBoard | None,
-                           board_ref: dict[str, Any] | None) -> Any:
-        """A deferred retrieve's settle, with the failure and lock handling retrieve() gives the rest."""
+    @staticmethod
+    def _answer(target: Target, done: Completion, settle: Callable[[], dict[str, Any]]) -> dict[str, Any] | Deferred:
+        """A transfer's reply: from the transport's polling thread once a device target's copies are done,
+        or now from a target that copied inside the executor's calls."""
+        return Deferred(settle, done.ready, done.handle) if target.enqueues else settle()
+
+    def _settling_retrieve(self, settle: Callable[[], dict[str, Any]], request_id: str, board: ArrivalBoard | None,
+                           board_ref: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
+        """A retrieve's settle with the failure and lock handling retrieve() gives its start."""
 
         def run() -> dict[str, Any]:
             try:
@@ -328,7 +331,8 @@ class CacheServer:
     def _retrieve_into_cache(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
                              event_handle: bytes | None, skip: int, board: ArrivalBoard | None,
                              board_ref: dict[str, Any] | None, layer_event_handles: list[bytes] | None,
-                             layers_per_stage: int) -> dict[str, Any] | Deferred:
+                             layers_per_stage: int) -> tuple[Completion, Callable[[], dict[str, Any]]]:
+        """Enqueue the transfer; returns its completion and the settle that finishes it once that is done."""
         layout = inst.layout
         n = ck.num_tokens
         if skip > n:
@@ -385,8 +389,7 @@ class CacheServer:
                           job.num_tokens, inst.instance_id, width, (time.perf_counter() - started) * 1e3)
             return reply
 
-        # A device target answers once its copies are done, from the transport's polling thread.
-        return Deferred(settle, done.ready, done.handle) if target.enqueues else settle()
+        return done, settle
 
     # --- keeping the path warm ----------------------------------------------------------
 
