@@ -131,6 +131,8 @@ class CacheServer:
             raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
         layout = PagedKVLayout.from_wire(descriptor)
         target = open_target(layout, self.store.pool)
+        if self.config.keep_warm_ms > 0 and hasattr(target, "enable_keep_warm"):
+            target.enable_keep_warm()
         with self._lock:
             old = self._instances.pop(instance_id, None)
             self._instances[instance_id] = _Instance(instance_id, layout, placement, target)
@@ -149,9 +151,8 @@ class CacheServer:
             self._busy_polling = True
             keep_warm = self._keep_warm if self.config.keep_warm_ms > 0 else None
             self.transport.enable_busy_poll(busy_wait, self.config.busy_poll_ms, keep_warm=keep_warm,
-                                            keep_warm_every_ms=self.config.keep_warm_ms or 1.0)
-            if getattr(target, "keep_warm", None) is not None:
-                self._warm_target = target
+                                            keep_warm_every_ms=self.config.keep_warm_ms)
+            self._note_warm_target(target)
         log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)
@@ -400,14 +401,15 @@ class CacheServer:
             target.keep_warm()  # type: ignore[attr-defined]
 
     def _note_warm_target(self, target: Target) -> None:
-        if self._warm_target is not target and getattr(target, "keep_warm", None) is not None:
+        """Remember the GPU target that copied last, if the server keeps warm (on every transfer's path)."""
+        if self.config.keep_warm_ms > 0 and self._warm_target is not target and hasattr(target, "keep_warm"):
             self._warm_target = target
 
     def _forget_warm_target(self, target: Target) -> None:
         with self._lock:
             if self._warm_target is target:
                 self._warm_target = next((i.target for i in self._instances.values()
-                                          if getattr(i.target, "keep_warm", None) is not None), None)
+                                          if hasattr(i.target, "keep_warm")), None)
 
     # --- helpers ---------------------------------------------------------------------
 

@@ -507,11 +507,13 @@ class Server:
             self._count(False)
             return None
         identity, body = frames
-        self._next_warm = self._last_request + self._warm_every_s  # a request warms the path itself
+        keep_warm = self._keep_warm is not None
+        if keep_warm:
+            self._next_warm = self._last_request + self._warm_every_s  # a request warms the path itself
         try:
             request = codec.decode_request(body)
             DECLARATIONS[request.request_type].validate(request.payload)
-            if DECLARATIONS[request.request_type].blocking:
+            if keep_warm and DECLARATIONS[request.request_type].blocking:
                 self._warm_body = body
         except (codec.DecodeError, ProtocolError) as exc:
             self._count(False)

@@ -71,12 +71,7 @@ class CudaIpcTarget:
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
-        self._warm_path: WarmPath | None = None
-        if self.native_available:
-            try:
-                self._warm_path = WarmPath(layout, self.index, self.engine.config)
-            except Exception as exc:  # an optimisation only: transfers work without it
-                log.warning("CUDA target on %s: no scratch transfer to keep the host path warm (%s)", self.device, exc)
+        self._warm_path: WarmPath | None = None  # built by enable_keep_warm(), when the server keeps warm
         log.info("CUDA target on %s (%s): %s copies, up to %d CTAs per launch", self.device,
                  torch.cuda.get_device_name(self.index), self.engine.config.mode, self.engine.max_ctas)
 
@@ -92,6 +87,19 @@ class CudaIpcTarget:
         if spin is None:
             return None
         return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream)
+
+    def enable_keep_warm(self) -> None:
+        """Build the scratch transfer :meth:`keep_warm` rehearses (a pinned object and a one-block cache).
+
+        Called at registration by a server that keeps warm; others pay nothing for it.
+        Without the extension, or if it cannot be built (logged), keep_warm() does nothing.
+        """
+        if self._warm_path is not None or not self.native_available:
+            return
+        try:
+            self._warm_path = WarmPath(self.layout, self.index, self.engine.config)
+        except Exception as exc:  # an optimisation only: transfers work without it
+            log.warning("CUDA target on %s: no scratch transfer to keep the host path warm (%s)", self.device, exc)
 
     def keep_warm(self) -> None:
         """Rehearse a one-block transfer on this target's scratch cache (see :mod:`.warm_path`).
