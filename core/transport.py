@@ -23,7 +23,11 @@ always left to answer PING and LOOKUP while transfers copy; blocking requests
 beyond that wait in a queue.
 
 Client: the caller's thread sends; one I/O thread waits for replies and
-resolves futures.
+resolves futures. A client on the server's host may also attach a reply ring
+(:mod:`kvstrata.core.reply_ring`): the server then writes each reply into shared
+memory before it sends it, and a client that polls (:meth:`Client.poll`, which an
+engine calls every step) resolves it from there without waiting for either
+side's ZMQ I/O thread to wake.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import Any, Callable
 import zmq
 
 from . import codec
-from .protocol import DECLARATIONS, ProtocolError, RequestType, check_handler_signature
+from .protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
+from .reply_ring import ReplyRing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ _SPIN_SLICE_S = 100e-6
 
 _AWAIT_SPIN_S = 2e-3
 """With replies deferred on handles the busy-wait function watches, it spins this long at most per call."""
+
+_MAX_REPLY_RINGS = 256
+"""Reply rings a server keeps mapped; beyond that the least recently attached is let go (its client's
+replies then come over ZMQ only). ZMQ does not say when a client went away."""
 
 
 def hands_over_turn(handler: Handler) -> Handler:
@@ -246,6 +255,9 @@ class Server:
         self.rehearsals = 0
         """Keep-warm rounds run so far (see :meth:`enable_busy_poll`)."""
         self._local = threading.local()  # .holds_turn: this thread is the leader
+        self._rings: collections.OrderedDict[bytes, ReplyRing] = collections.OrderedDict()
+        """Clients' reply rings by ZMQ identity (see ATTACH_REPLY_RING)."""
+        self._rings_lock = threading.Lock()
 
     def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float, *,
                          keep_warm: Callable[[], None] | None = None, keep_warm_every_ms: float = 1.0) -> None:
@@ -275,11 +287,13 @@ class Server:
 
     def register(self, request_type: RequestType, handler: Handler) -> None:
         """Register a handler; raises ProtocolError if its arity differs from the declaration."""
+        if request_type in TRANSPORT_REQUESTS:
+            raise ProtocolError(f"{request_type.name} is served by the transport; it takes no handler")
         check_handler_signature(request_type, handler)
         self._handlers[request_type] = handler
 
     def start(self) -> None:
-        missing = [rt.name for rt in RequestType if rt not in self._handlers]
+        missing = [rt.name for rt in RequestType if rt not in self._handlers and rt not in TRANSPORT_REQUESTS]
         if missing:
             raise ProtocolError(f"no handler registered for {', '.join(missing)}")
         router = self._ctx.socket(zmq.ROUTER)
@@ -317,6 +331,10 @@ class Server:
             log.info("stopped with %d transfer(s) in flight: settled without replies", len(left))
         if self._sock is not None:
             self._sock.close()
+        with self._rings_lock:
+            rings, self._rings = list(self._rings.values()), collections.OrderedDict()
+        for ring in rings:
+            ring.close()
         self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -375,6 +393,9 @@ class Server:
                 if decoded is None:
                     continue
                 identity, request = decoded
+                if request.request_type is RequestType.ATTACH_REPLY_RING:
+                    self._send(identity, self._reply(request, lambda: self._attach_ring(identity, *request.payload)))
+                    continue
                 if not DECLARATIONS[request.request_type].blocking:
                     reply = self._run(request)
                     self._send(identity, self._settle(request, reply) if isinstance(reply, Deferred) else reply)
@@ -542,11 +563,35 @@ class Server:
 
     def _send(self, identity: bytes, reply: bytes) -> None:
         assert self._sock is not None
+        ring = self._rings.get(identity)
+        if ring is not None:
+            ring.post(reply)  # first: a polling client finds it there before the socket leg ends
         try:
             self._sock.send([identity, reply])
         except zmq.ZMQError as exc:
             if not self._stop.is_set():
                 log.warning("could not send a reply: %s", exc)
+
+    @property
+    def reply_rings(self) -> int:
+        """Clients whose replies are also written into their reply ring."""
+        return len(self._rings)
+
+    def _attach_ring(self, identity: bytes, ref: dict[str, Any]) -> bool:
+        """ATTACH_REPLY_RING: map the sender's ring; its replies from now on are written there too."""
+        ring = ReplyRing.attach(ref)
+        with self._rings_lock:
+            old = self._rings.pop(identity, None)
+            self._rings[identity] = ring
+            evicted = self._rings.popitem(last=False)[1] if len(self._rings) > _MAX_REPLY_RINGS else None
+        for r in (old, evicted):
+            if r is not None:
+                r.close()
+        if evicted is not None:
+            log.info("reply ring %s let go: more than %d clients attached rings; its client's replies come "
+                     "over ZMQ only", evicted.name, _MAX_REPLY_RINGS)
+        log.debug("reply ring %s attached (%d slots of %d bytes)", ring.name, ring.slots, ring.slot_bytes)
+        return True
 
     def _run(self, request: codec.Request) -> bytes | Deferred:
         handler = self._handlers[request.request_type]
@@ -590,6 +635,8 @@ class Client:
         self._pending_lock = threading.Lock()
         self._closed = False
         self._busy_us = 0
+        self._ring: ReplyRing | None = None
+        self._ring_lock = threading.Lock()  # one reader at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
         self._thread.start()
@@ -645,8 +692,49 @@ class Client:
         awake instead of waiting for the I/O thread to be woken from its sleep.
         """
         if not self._closed:
+            self._take_ring()
             self._sock.try_drain()
             self._resolve_inbox()
+
+    def attach_reply_ring(self, timeout: float | None = None) -> bool:
+        """Have the server also write this client's replies into shared memory that :meth:`poll` reads.
+
+        Worth it for a client that polls (an engine asking each step which
+        transfers finished) on the server's host. Returns False, with a log line
+        saying why, where that cannot work (the server is on another host, or
+        ``KVSTRATA_REPLY_RING=0``); replies then come over ZMQ alone, as they
+        always also do.
+        """
+        if self._ring is not None:
+            return True
+        if os.environ.get("KVSTRATA_REPLY_RING", "1") == "0":
+            log.info("reply ring off (KVSTRATA_REPLY_RING=0): replies from %s come over ZMQ only", self.address)
+            return False
+        ring = ReplyRing.create()
+        try:
+            self.call(RequestType.ATTACH_REPLY_RING, [ring.ref()], timeout)
+        except (RemoteError, RequestTimeout) as exc:
+            ring.destroy()
+            log.warning("no reply ring with %s, replies come over ZMQ only: %s", self.address, exc)
+            return False
+        with self._ring_lock:
+            self._ring = ring
+        log.info("replies from %s are also written into reply ring %s", self.address, ring.name)
+        return True
+
+    @property
+    def reply_ring(self) -> ReplyRing | None:
+        return self._ring
+
+    def _take_ring(self) -> None:
+        if self._ring is None or not self._ring_lock.acquire(blocking=False):
+            return  # no ring, or another thread is reading it now
+        try:
+            frames = self._ring.take() if self._ring is not None else []
+        finally:
+            self._ring_lock.release()
+        for frame in frames:
+            self._resolve(frame)
 
     def call(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...] = (),
              timeout: float | None = None) -> Any:
@@ -684,6 +772,10 @@ class Client:
         self._thread.join(timeout=5)
         self.fail_pending("client closed")
         self._sock.close()
+        with self._ring_lock:
+            ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.destroy()
         self._ctx.term()
 
     def __enter__(self) -> "Client":

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from kvstrata.core.keys import CacheKey
-from kvstrata.core.protocol import DECLARATIONS, RequestType
+from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
 from kvstrata.core.transport import Client, Deferred, RemoteError, Server
 
 KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
@@ -59,6 +59,8 @@ def serve() -> Iterator[Any]:
         address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s"
         server = Server(address, transfer_threads=transfer_threads)
         for rt, decl in DECLARATIONS.items():
+            if rt in TRANSPORT_REQUESTS:
+                continue
             if rt == RequestType.PING:
                 server.register(rt, lambda: "pong")
             elif rt == RequestType.RETRIEVE:
@@ -407,6 +409,8 @@ def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
     transfers = DeviceTransfers(delay=0.3)
     server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=1)
     for rt, decl in DECLARATIONS.items():
+        if rt in TRANSPORT_REQUESTS:
+            continue
         server.register(rt, handler_of_arity(decl.arity, transfers.retrieve if rt == RequestType.RETRIEVE
                                              else (lambda *a: {})))
     server.start()
