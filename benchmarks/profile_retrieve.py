@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.core.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
     from kvstrata.core.worker import LayerwiseWorker
+    from transfer import spin_until_settled  # the engine's poll, as the transfer benchmark models it
 
     gpu = args.device == "cuda"
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -326,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         time.sleep(2e-5)
                     for layer in range(32):
                         worker.wait_for_layer(layer)
+                    spin_until_settled(worker, rid)
                     worker.wait_all()
                     rec = worker.records.pop(rid)
                     if rep == 0:
@@ -342,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             seen[key_name + "@cpu"] = (e["cpu"] - cpu0) * 1e3
                     seen["engine_released"] = (rec.released_at - t0) * 1e3
                     seen["engine_reply"] = (done[0] - t0) * 1e3
+                    seen["engine_settled"] = (rec.completed_at - t0) * 1e3
                     seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
                     for k, v in seen.items():
                         rows.setdefault(k, []).append(v)

@@ -11,9 +11,12 @@ In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
    width, plus a thread-block sweep of the kernel: what the GPU itself spends;
 3. end to end against a ``kvstrata serve`` child process, per copy mode:
    chunk-major retrieve time, and for widths 1, 2, 4, 8, 32 the time until the
-   request is released and until the transfer completes (the reply arrives),
-   with the GPU-side view (when the engine's stream saw the first and the last
-   layer land); the store path against the raw GPU-to-host copy.
+   request is released and until the transfer completes: when the engine side
+   (the worker, polled every 20 us as an engine polls between steps) learns that
+   every layer landed, from the arrival board or the reply, whichever comes
+   first; also when the reply itself resolved (``reply_ms``), and the GPU-side
+   view (when the engine's stream saw the first and the last layer land); the
+   store path against the raw GPU-to-host copy.
 
 Writes a JSON result (``--out``) with the GPU name, versions and date, and
 evaluates the issue's targets on the primary mode. Run it as the README in
@@ -266,6 +269,17 @@ def _spin_until_released(worker, rid: str, timeout: float = 30.0) -> None:
         time.sleep(2e-5)  # an engine polls between steps; a hot spin would hold the GIL the transport needs
 
 
+def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
+    """Poll as an engine does between steps until the worker has seen the transfer complete."""
+    rec = worker.records[rid]
+    deadline = time.monotonic() + timeout
+    while rec.completed_at is None and rec.failure is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{rid} never completed")
+        worker.get_finished()
+        time.sleep(2e-5)
+
+
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None,
                    server_env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -337,6 +351,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                             if layer == 0:
                                 ev[1].record(stream)
                         ev[2].record(stream)
+                        spin_until_settled(worker, rid)
                         fut.result()
                         worker.wait_all()
                         torch.cuda.synchronize()
@@ -348,7 +363,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                             continue
                         runs[width].append({
                             "release_ms": (rec.released_at - rec.submitted_at) * 1e3,
-                            "complete_ms": (done[0] - rec.submitted_at) * 1e3,
+                            "complete_ms": (rec.completed_at - rec.submitted_at) * 1e3,
+                            "reply_ms": (done[0] - rec.submitted_at) * 1e3,
                             "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                             "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                             "released_in_flight": bool(rec.released_before_complete),
@@ -358,7 +374,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 for width in widths:
                     rows = runs[width]
                     res[str(width)] = {k: stats([r[k] for r in rows]) for k in
-                                       ("release_ms", "complete_ms", "gpu_first_layer_ms", "gpu_complete_ms")}
+                                       ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
+                                        "gpu_complete_ms")}
                     res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
                     if width != 0:  # paired with the chunk-major retrieve of the same round
                         res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
