@@ -213,15 +213,22 @@ def serve_traced(argv: list[str]) -> int:
 
 
 def trace_engine_side() -> dict[str, float]:
-    """Marks in this (engine) process: the request leaving, the reply thread waking, the future resolving.
+    """Marks in this (engine) process: the request leaving (ring, socket), the reply thread waking, the future
+    resolving.
 
     Each mark keeps its first time after ``clear()``, so a retrieve's own send
     and reply are what is seen.
     """
-    from kvstrata.core import transport
+    from kvstrata.core import shm_ring, transport
 
     marks: dict[str, float] = {}
     send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
+    post = shm_ring.SlotRing.post
+
+    def traced_post(self: Any, frame: bytes) -> bool:  # in this process, only the request ring is written
+        ok = post(self, frame)
+        marks.setdefault("engine_ring_posted", time.perf_counter())
+        return ok
 
     def traced_send(self: Any, frames: list[Any]) -> None:
         marks.setdefault("engine_send_in", time.perf_counter())
@@ -238,6 +245,7 @@ def trace_engine_side() -> dict[str, float]:
             marks.setdefault("engine_resolve_in", time.perf_counter())
         resolve(self, frame)
 
+    shm_ring.SlotRing.post = traced_post  # type: ignore[method-assign]
     transport.SharedSocket.send = traced_send  # type: ignore[method-assign]
     transport.SharedSocket.wait = traced_wait  # type: ignore[method-assign]
     transport.Client._resolve = traced_resolve  # type: ignore[method-assign]

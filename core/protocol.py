@@ -31,11 +31,11 @@ class RequestType(enum.IntEnum):
     FREE_LOOKUP_LOCKS = 6
     END_SESSION = 7
     SERVER_INFO = 8
-    ATTACH_REPLY_RING = 9
+    ATTACH_RINGS = 9
     """Served by the transport itself, not by a registered handler: see :data:`TRANSPORT_REQUESTS`."""
 
 
-TRANSPORT_REQUESTS = frozenset({RequestType.ATTACH_REPLY_RING})
+TRANSPORT_REQUESTS = frozenset({RequestType.ATTACH_RINGS})
 """Requests about the connection rather than the cache: the transport's server answers them, since only it
 knows which client (ZMQ identity) sent one. No handler is registered for them."""
 
@@ -130,12 +130,12 @@ BOARD_REF = map_with(
 """Names one arrival-board slot: the shared-memory segment, the slot index and
 the generation the worker stamped on it for this retrieve."""
 
-REPLY_RING_REF = map_with(
+RING_REF = map_with(
     {"name": STR, "slots": NONNEG_INT, "slot_bytes": NONNEG_INT},
-    "ReplyRingRef{name,slots,slot_bytes}",
+    "RingRef{name,slots,slot_bytes}",
 )
-"""Names a client's reply ring: a shared-memory segment on the server's host that the server also
-writes that client's replies into (see :mod:`kvstrata.core.reply_ring`)."""
+"""Names one of a client's rings: a shared-memory segment on the server's host that carries copies of
+that client's requests or replies (see :mod:`kvstrata.core.shm_ring`)."""
 
 KV_CACHE_DESCRIPTOR = map_with(
     {"format": STR, "placement": STR, "num_layers": INT, "kv_size": INT},
@@ -228,7 +228,8 @@ DECLARATIONS: dict[RequestType, Declaration] = {
         Declaration(RequestType.RETRIEVE, RETRIEVE_ITEMS, MAP, blocking=True),
         Declaration(RequestType.FREE_LOOKUP_LOCKS, (Item("request_id", STR),), INT, blocking=False),
         Declaration(RequestType.END_SESSION, (Item("request_id", STR),), INT, blocking=False),
-        Declaration(RequestType.ATTACH_REPLY_RING, (Item("ring", REPLY_RING_REF),), BOOL, blocking=False),
+        Declaration(RequestType.ATTACH_RINGS, (Item("replies", RING_REF), Item("requests", optional(RING_REF))),
+                    BOOL, blocking=False),
     )
 }
 

@@ -124,7 +124,7 @@ class CacheServer:
                 "l1": self.store.stats(), "pool": {"name": self.store.segment.name, "size": self.store.capacity},
                 "instances": sorted(self._instances),
                 "keep_warm": {"every_ms": self.config.keep_warm_ms, "rehearsals": self.transport.rehearsals},
-                "reply_rings": self.transport.reply_rings}
+                "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests}}
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
         placement = descriptor["placement"]

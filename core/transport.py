@@ -23,11 +23,18 @@ always left to answer PING and LOOKUP while transfers copy; blocking requests
 beyond that wait in a queue.
 
 Client: the caller's thread sends; one I/O thread waits for replies and
-resolves futures. A client on the server's host may also attach a reply ring
-(:mod:`kvstrata.core.reply_ring`): the server then writes each reply into shared
-memory before it sends it, and a client that polls (:meth:`Client.poll`, which an
-engine calls every step) resolves it from there without waiting for either
-side's ZMQ I/O thread to wake.
+resolves futures.
+
+A client on the server's host may also attach shared-memory rings
+(:mod:`kvstrata.core.shm_ring`, ATTACH_RINGS), so that neither side's ZMQ I/O
+thread has to wake on the way: it writes each request into its request ring
+before sending it, and the server's spin sees it there; the server writes each
+reply into the reply ring before sending it, and a client that polls
+(:meth:`Client.poll`, which an engine calls every step) resolves it from there.
+Every frame still goes over ZMQ. The client numbers its requests in the order it
+sends them, and the server takes a request from the ring only if it is the next
+one that client sent; its ZMQ copy, arriving later, is dropped. So each request
+is served once and in order, whichever copy comes first.
 """
 
 from __future__ import annotations
@@ -42,21 +49,24 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from . import codec
 from .protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
-from .reply_ring import ReplyRing
+from .shm_ring import REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES, REQUEST_SLOTS, SlotRing
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
 BusyWait = Callable[..., bool]
-"""``busy_wait(fd, max_us, *, events=...)``: poll ``fd`` without sleeping and without the GIL; True once
-readable or, given ``events`` (handles such as a :class:`Deferred`'s ``wait_handle``), once one of them has
-completed. The CUDA extension provides one (``spin_until_readable``); see :meth:`Server.enable_busy_poll`."""
+"""``busy_wait(fd, max_us, *, events=..., words=...)``: poll ``fd`` without sleeping and without the GIL;
+True once readable or, given ``events`` (handles such as a :class:`Deferred`'s ``wait_handle``), once one of
+them has completed, or, given ``words`` ((address, value) pairs), once one of those 64-bit words holds its
+value (a request ring's next frame published). The CUDA extension provides one (``spin_until_readable``);
+see :meth:`Server.enable_busy_poll`."""
 
 _POLL_MS = 100
 """How long a waiting thread sleeps on the socket before it checks for shutdown."""
@@ -70,9 +80,12 @@ _SPIN_SLICE_S = 100e-6
 _AWAIT_SPIN_S = 2e-3
 """With replies deferred on handles the busy-wait function watches, it spins this long at most per call."""
 
-_MAX_REPLY_RINGS = 256
-"""Reply rings a server keeps mapped; beyond that the least recently attached is let go (its client's
-replies then come over ZMQ only). ZMQ does not say when a client went away."""
+_MAX_PEERS = 256
+"""Clients whose rings a server keeps mapped; beyond that the least recently attached is let go (its
+frames then travel over ZMQ only). ZMQ does not say when a client went away."""
+
+_RINGS_ENV = "KVSTRATA_RINGS"
+"""Engine side: ``both`` (default), ``replies`` (no request ring) or ``0`` (no rings), for A/B runs."""
 
 
 def hands_over_turn(handler: Handler) -> Handler:
@@ -180,17 +193,25 @@ class SharedSocket:
             self.sock.send_multipart(frames)  # always a copy: see copy_threshold above
             self._drain()
 
-    def wait(self, timeout_ms: int, spin_us: int = 0, events: list[int] | None = None) -> None:
+    def wait(self, timeout_ms: int, spin_us: int = 0, events: list[int] | None = None,
+             words: list[tuple[int, int]] | None = None) -> None:
         """Wait until the socket may have input (or the timeout), then drain it. One waiter at a time.
 
         With ``spin_us`` and a :attr:`busy_wait` function, first poll without
         sleeping for up to that long (outside the GIL), then sleep as usual. The
         spin also ends when one of ``events`` (handles the busy-wait function
-        understands) has completed; the caller then looks at what it waits for.
+        understands) has completed or one of ``words`` holds its value; the
+        caller then looks at what it waits for.
         """
         if not self.inbox:
-            spun_to_input = spin_us > 0 and self.busy_wait is not None and (
-                self.busy_wait(self._fd, spin_us, events=events) if events else self.busy_wait(self._fd, spin_us))
+            spun_to_input = False
+            if spin_us > 0 and self.busy_wait is not None:
+                watch: dict[str, Any] = {}
+                if events:
+                    watch["events"] = events
+                if words:
+                    watch["words"] = words
+                spun_to_input = self.busy_wait(self._fd, spin_us, **watch)
             if not spun_to_input:
                 self._poll.poll(timeout_ms)
         with self._lock:
@@ -216,6 +237,30 @@ class SharedSocket:
     def close(self) -> None:
         with self._lock:
             self.sock.close(linger=0)
+
+
+@dataclass
+class _Peer:
+    """A client that attached rings, by its ZMQ identity.
+
+    Only the thread holding the turn reads or changes it, except :attr:`replies`,
+    which every answering thread writes (the ring has its own lock).
+    """
+
+    replies: SlotRing
+    requests: SlotRing | None
+    next_id: int
+    """The id of the request this client sent next after the last one served: it numbers its requests
+    in the order it sends them, so the ring's next frame may be served early only if it has this id."""
+    early: set[int] = field(default_factory=set)
+    """Requests served from the ring whose ZMQ copy has not arrived yet; that copy is dropped."""
+    stalled: bool = False
+    """The ring's next frame is ahead of next_id: ZMQ must deliver what was sent before it first."""
+
+    def close(self) -> None:
+        self.replies.close()
+        if self.requests is not None:
+            self.requests.close()
 
 
 class Server:
@@ -255,9 +300,11 @@ class Server:
         self.rehearsals = 0
         """Keep-warm rounds run so far (see :meth:`enable_busy_poll`)."""
         self._local = threading.local()  # .holds_turn: this thread is the leader
-        self._rings: collections.OrderedDict[bytes, ReplyRing] = collections.OrderedDict()
-        """Clients' reply rings by ZMQ identity (see ATTACH_REPLY_RING)."""
-        self._rings_lock = threading.Lock()
+        self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
+        """Clients that attached rings, by ZMQ identity (see ATTACH_RINGS)."""
+        self._peers_lock = threading.Lock()
+        self.ring_requests = 0
+        """Requests served from a client's request ring, ahead of their ZMQ copy."""
 
     def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float, *,
                          keep_warm: Callable[[], None] | None = None, keep_warm_every_ms: float = 1.0) -> None:
@@ -331,10 +378,10 @@ class Server:
             log.info("stopped with %d transfer(s) in flight: settled without replies", len(left))
         if self._sock is not None:
             self._sock.close()
-        with self._rings_lock:
-            rings, self._rings = list(self._rings.values()), collections.OrderedDict()
-        for ring in rings:
-            ring.close()
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), collections.OrderedDict()
+        for peer in peers:
+            peer.close()
         self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -385,7 +432,9 @@ class Server:
                     if queued is not None:
                         self._start_blocking(*queued)
                         return
-                frames = self._pop(sock)
+                frames = self._pop_ring() if self._peers else None
+                if frames is None:
+                    frames = self._pop_socket(sock)
                 if frames is None:
                     self._wait(sock)
                     continue
@@ -393,8 +442,9 @@ class Server:
                 if decoded is None:
                     continue
                 identity, request = decoded
-                if request.request_type is RequestType.ATTACH_REPLY_RING:
-                    self._send(identity, self._reply(request, lambda: self._attach_ring(identity, *request.payload)))
+                if request.request_type is RequestType.ATTACH_RINGS:
+                    self._send(identity, self._reply(
+                        request, lambda: self._attach_rings(identity, request.request_id, *request.payload)))
                     continue
                 if not DECLARATIONS[request.request_type].blocking:
                     reply = self._run(request)
@@ -431,11 +481,13 @@ class Server:
             spin_s = min(spin_s, self._next_warm - now)
         handles = [d.wait_handle for _, _, d in awaiting]
         watch = bool(handles) and all(handles) and self._watch_events
+        words = [p.requests.watch() for p in list(self._peers.values())
+                 if p.requests is not None and not p.stalled] if self._peers else None
         try:
             if watch:  # the busy-wait function watches them: no need to come back early
-                sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles)
+                sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles, words)
             else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
-                sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1)
+                sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1, None, words)
         except zmq.ZMQError:
             raise
         except Exception as exc:
@@ -513,6 +565,51 @@ class Server:
         except IndexError:
             return None
 
+    def _pop_socket(self, sock: SharedSocket) -> list[bytes] | None:
+        """The next message from the socket, less the copies of requests already served from a ring."""
+        while True:
+            frames = self._pop(sock)
+            if frames is None or len(frames) != 2 or not self._peers:
+                return frames
+            peer = self._peers.get(frames[0])
+            rid = codec.request_id_of(frames[1]) if peer is not None else None
+            if rid is None:
+                return frames
+            if rid in peer.early:
+                peer.early.discard(rid)
+                continue
+            if rid >= peer.next_id:
+                peer.next_id, peer.stalled = rid + 1, False
+            return frames
+
+    def _pop_ring(self) -> list[bytes] | None:
+        """[identity, frame] of a request a client's ring holds and that is the next one it sent, if any.
+
+        A frame further ahead stays in the ring until ZMQ has delivered what was
+        sent before it (then it is a copy, and skipped): serving it first would
+        reorder that client's requests. Frames without a request id are left to
+        their ZMQ copy, which gets the error reply.
+        """
+        for identity, peer in list(self._peers.items()):
+            ring = peer.requests
+            while ring is not None and not peer.stalled:
+                frame = ring.peek()
+                if frame is None:
+                    break
+                rid = codec.request_id_of(frame)
+                if rid is None or rid < peer.next_id:
+                    ring.advance()  # served from its ZMQ copy already, or malformed
+                    continue
+                if rid > peer.next_id:
+                    peer.stalled = True
+                    break
+                ring.advance()
+                peer.early.add(rid)
+                peer.next_id = rid + 1
+                self.ring_requests += 1
+                return [identity, frame]
+        return None
+
     def _take_queued_blocking(self) -> tuple[bytes, codec.Request] | None:
         with self._work:
             if self._blocking_queued and self._blocking_running < self.transfer_threads:
@@ -563,9 +660,9 @@ class Server:
 
     def _send(self, identity: bytes, reply: bytes) -> None:
         assert self._sock is not None
-        ring = self._rings.get(identity)
-        if ring is not None:
-            ring.post(reply)  # first: a polling client finds it there before the socket leg ends
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.replies.post(reply)  # first: a polling client finds it there before the socket leg ends
         try:
             self._sock.send([identity, reply])
         except zmq.ZMQError as exc:
@@ -573,24 +670,32 @@ class Server:
                 log.warning("could not send a reply: %s", exc)
 
     @property
-    def reply_rings(self) -> int:
-        """Clients whose replies are also written into their reply ring."""
-        return len(self._rings)
+    def ring_clients(self) -> int:
+        """Clients that attached shared-memory rings (see ATTACH_RINGS)."""
+        return len(self._peers)
 
-    def _attach_ring(self, identity: bytes, ref: dict[str, Any]) -> bool:
-        """ATTACH_REPLY_RING: map the sender's ring; its replies from now on are written there too."""
-        ring = ReplyRing.attach(ref)
-        with self._rings_lock:
-            old = self._rings.pop(identity, None)
-            self._rings[identity] = ring
-            evicted = self._rings.popitem(last=False)[1] if len(self._rings) > _MAX_REPLY_RINGS else None
-        for r in (old, evicted):
-            if r is not None:
-                r.close()
+    def _attach_rings(self, identity: bytes, request_id: int, replies: dict[str, Any],
+                      requests: dict[str, Any] | None) -> bool:
+        """ATTACH_RINGS: map the sender's rings; from its next request on, both carry copies of its frames."""
+        peer = _Peer(SlotRing.attach(replies), None, request_id + 1)
+        try:
+            if requests is not None:
+                peer.requests = SlotRing.attach(requests)
+        except Exception:
+            peer.close()
+            raise
+        with self._peers_lock:
+            old = self._peers.pop(identity, None)
+            self._peers[identity] = peer
+            evicted = self._peers.popitem(last=False)[1] if len(self._peers) > _MAX_PEERS else None
+        for p in (old, evicted):
+            if p is not None:
+                p.close()
         if evicted is not None:
-            log.info("reply ring %s let go: more than %d clients attached rings; its client's replies come "
-                     "over ZMQ only", evicted.name, _MAX_REPLY_RINGS)
-        log.debug("reply ring %s attached (%d slots of %d bytes)", ring.name, ring.slots, ring.slot_bytes)
+            log.info("rings %s let go: more than %d clients attached rings; that client's frames travel over "
+                     "ZMQ only", evicted.replies.name, _MAX_PEERS)
+        log.debug("rings attached: replies %s, requests %s", peer.replies.name,
+                  peer.requests.name if peer.requests is not None else None)
         return True
 
     def _run(self, request: codec.Request) -> bytes | Deferred:
@@ -635,8 +740,12 @@ class Client:
         self._pending_lock = threading.Lock()
         self._closed = False
         self._busy_us = 0
-        self._ring: ReplyRing | None = None
-        self._ring_lock = threading.Lock()  # one reader at a time
+        self._send_lock = threading.Lock()
+        """Held from numbering a request to sending it: ids follow the order requests are sent in, which the
+        server relies on to serve a request from the ring only when it is the next one (see Server)."""
+        self._replies: SlotRing | None = None
+        self._requests: SlotRing | None = None
+        self._replies_lock = threading.Lock()  # one reader at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
         self._thread.start()
@@ -658,12 +767,23 @@ class Client:
 
     def submit_unchecked(self, request_type: RequestType | int, payload: Any) -> Future:
         """Send without local validation (tests use this to probe the server's checks)."""
-        rid = next(self._ids)
         fut: Future = Future()
-        with self._pending_lock:
-            self._pending[rid] = (request_type, fut)
-        self._send(codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload]))
+        self._send_request(request_type, payload, fut)
         return fut
+
+    def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None) -> None:
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError("transport is closed")
+            rid = next(self._ids)
+            frame = codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload])
+            if fut is not None:
+                with self._pending_lock:
+                    self._pending[rid] = (request_type, fut)
+            if self._requests is not None:
+                self._requests.post(frame)  # first: the server's spin may take it from there
+            self._sock.send([frame])
+        self._resolve_inbox()  # outside the lock: resolving runs callbacks, which may send
 
     def send_oneway(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...]) -> None:
         """Send a validated request whose reply nobody waits for (lock releases, session ends).
@@ -672,7 +792,7 @@ class Client:
         """
         payload = list(payload)
         DECLARATIONS[request_type].validate(payload)
-        self._send(codec._pack([codec.WIRE_VERSION, next(self._ids), int(request_type), payload]))
+        self._send_request(request_type, payload, None)
 
     def send_raw(self, frame: bytes) -> None:
         """Send an arbitrary frame (for robustness tests); any reply is dropped unless it matches a future."""
@@ -692,47 +812,58 @@ class Client:
         awake instead of waiting for the I/O thread to be woken from its sleep.
         """
         if not self._closed:
-            self._take_ring()
+            self._take_replies()
             self._sock.try_drain()
             self._resolve_inbox()
 
-    def attach_reply_ring(self, timeout: float | None = None) -> bool:
-        """Have the server also write this client's replies into shared memory that :meth:`poll` reads.
+    def attach_rings(self, timeout: float | None = None) -> bool:
+        """Attach shared-memory rings for this client's requests and replies (see the module docstring).
 
-        Worth it for a client that polls (an engine asking each step which
-        transfers finished) on the server's host. Returns False, with a log line
-        saying why, where that cannot work (the server is on another host, or
-        ``KVSTRATA_REPLY_RING=0``); replies then come over ZMQ alone, as they
-        always also do.
+        Worth it for a client on the server's host that polls (an engine asking
+        each step which transfers finished) while the server busy-polls (a GPU
+        server does). Returns False, with a log line saying why, where that cannot
+        work (the server is on another host, or ``KVSTRATA_RINGS=0``); frames then
+        travel over ZMQ alone, as they always also do. ``KVSTRATA_RINGS=replies``
+        attaches the reply ring only.
         """
-        if self._ring is not None:
+        if self._replies is not None:
             return True
-        if os.environ.get("KVSTRATA_REPLY_RING", "1") == "0":
-            log.info("reply ring off (KVSTRATA_REPLY_RING=0): replies from %s come over ZMQ only", self.address)
+        setting = os.environ.get(_RINGS_ENV, "both")
+        if setting not in ("both", "replies"):
+            log.info("shared-memory rings off (%s=%s): frames to and from %s travel over ZMQ only", _RINGS_ENV,
+                     setting, self.address)
             return False
-        ring = ReplyRing.create()
+        replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES)
+        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES) if setting == "both" else None
         try:
-            self.call(RequestType.ATTACH_REPLY_RING, [ring.ref()], timeout)
+            self.call(RequestType.ATTACH_RINGS, [replies.ref(), requests.ref() if requests else None], timeout)
         except (RemoteError, RequestTimeout) as exc:
-            ring.destroy()
-            log.warning("no reply ring with %s, replies come over ZMQ only: %s", self.address, exc)
+            for ring in (replies, requests):
+                if ring is not None:
+                    ring.destroy()
+            log.warning("no shared-memory rings with %s, frames travel over ZMQ only: %s", self.address, exc)
             return False
-        with self._ring_lock:
-            self._ring = ring
-        log.info("replies from %s are also written into reply ring %s", self.address, ring.name)
+        with self._send_lock, self._replies_lock:
+            self._replies, self._requests = replies, requests
+        log.info("requests to and replies from %s also travel through shared memory (%s, %s)", self.address,
+                 replies.name, requests.name if requests else "replies only")
         return True
 
     @property
-    def reply_ring(self) -> ReplyRing | None:
-        return self._ring
+    def reply_ring(self) -> SlotRing | None:
+        return self._replies
 
-    def _take_ring(self) -> None:
-        if self._ring is None or not self._ring_lock.acquire(blocking=False):
+    @property
+    def request_ring(self) -> SlotRing | None:
+        return self._requests
+
+    def _take_replies(self) -> None:
+        if self._replies is None or not self._replies_lock.acquire(blocking=False):
             return  # no ring, or another thread is reading it now
         try:
-            frames = self._ring.take() if self._ring is not None else []
+            frames = self._replies.take() if self._replies is not None else []
         finally:
-            self._ring_lock.release()
+            self._replies_lock.release()
         for frame in frames:
             self._resolve(frame)
 
@@ -772,10 +903,11 @@ class Client:
         self._thread.join(timeout=5)
         self.fail_pending("client closed")
         self._sock.close()
-        with self._ring_lock:
-            ring, self._ring = self._ring, None
-        if ring is not None:
-            ring.destroy()
+        with self._send_lock, self._replies_lock:
+            rings, self._replies, self._requests = (self._replies, self._requests), None, None
+        for ring in rings:
+            if ring is not None:
+                ring.destroy()
         self._ctx.term()
 
     def __enter__(self) -> "Client":

@@ -84,7 +84,7 @@ class LayerwiseWorker:
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 busy_poll_ms: float = 0.0, reply_ring: bool = True) -> None:
+                 busy_poll_ms: float = 0.0, shm_rings: bool = True) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -119,9 +119,9 @@ class LayerwiseWorker:
         """On a GPU, the client's I/O thread polls without sleeping (outside the GIL) up to this long
         while replies are outstanding, so a transfer's reply is seen at once. Off (0) by default: an
         engine that polls get_finished() each step resolves replies itself, and the poll costs a core."""
-        self.reply_ring = reply_ring
-        """At registration, ask the server to also write replies into shared memory that get_finished()
-        reads, so a finished transfer is seen at the engine's next poll rather than after the ZMQ leg."""
+        self.shm_rings = shm_rings
+        """At registration, attach shared-memory rings for requests and replies (a server on this host then
+        sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake)."""
 
     # --- public properties the design asks adapters to use ---------------------------
 
@@ -138,8 +138,8 @@ class LayerwiseWorker:
     def register(self) -> dict[str, Any]:
         reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.placement)
         self.chunk_size = int(reply["chunk_size"])
-        if self.reply_ring:
-            self.client.transport.attach_reply_ring()
+        if self.shm_rings:
+            self.client.transport.attach_rings()
         self._enable_busy_poll()
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
                  self.instance_id, self.client.address, self.placement, self.chunk_size)

@@ -1,26 +1,30 @@
-"""The reply ring: a server's replies to one client, also written into shared memory the client polls.
+"""Shared-memory rings between a client and a server on one host: requests one way, replies the other.
 
-A transfer's reply over ZMQ crosses two I/O threads (the server's and the
-client's) that have slept through the transfer's tens of milliseconds; on the
-lent H200's virtual machine that leg measured 0.3 ms against 0.04 ms back to back,
-about a third of chunk-major's whole overhead over a raw copy. An engine polls
-for finished transfers anyway (vLLM asks its connector every step), so a client
-on the same host gives the server a ring in shared memory: the server writes each
-reply there first, then sends it over ZMQ as always, and the client's
-:meth:`~kvstrata.core.transport.Client.poll` finds it with a memory read.
+A request or reply over ZMQ crosses two I/O threads, the sender's and the
+receiver's, and on the lent H200's virtual machine each leg measured 0.14 to 0.3
+ms against 0.04 ms back to back: the threads slept through the transfer's tens of
+milliseconds. But both ends of the kvstrata path are already awake when it
+matters: the server's polling thread spins (``--busy-poll-ms``) and an engine
+polls for finished transfers every step. So a client on the server's host
+attaches two rings (ATTACH_RINGS): it writes each request into its request ring
+before sending it, which the server's spin watches; the server writes each reply
+into the reply ring before sending it, which the client's
+:meth:`~kvstrata.core.transport.Client.poll` reads.
 
-ZMQ stays the carrier of record: every reply still goes over the socket, the
-client resolves a request once (whichever copy comes first), and a ring that is
-full, too small for a reply, lapped by the writer or never attached costs only
-the speed-up. So the ring needs no flow control and no acknowledgements.
+ZMQ stays the carrier of record: every frame still goes over the socket, each
+request is served and each reply resolved once, from whichever copy comes first,
+and the server takes a request from the ring only when it is the next one that
+client sent (see :class:`kvstrata.core.transport.Server`), so order is kept. A
+ring that is full, too small for a frame, lapped by its writer or never attached
+costs only the speed-up; the rings need no flow control and no acknowledgements.
 
-Layout (one writer, the server; one reader, the client)::
+Layout (one writer, one reader)::
 
     header   64 bytes: magic, slot count, slot bytes
-    slot i   slot_bytes each: sequence (u64) | length (u64) | reply frame
+    slot i   slot_bytes each: sequence (u64) | length (u64) | frame
 
 Each slot is a sequence lock. The writer stores 0 in the sequence, then the
-length and the frame, then the reply's sequence number (1, 2, ...); the reader
+length and the frame, then the frame's sequence number (1, 2, ...); the reader
 takes slot ``(n - 1) % slots`` only if its sequence reads ``n`` both before and
 after it copies the frame. The words are aligned 8-byte stores, which are atomic
 on the platforms we run on (x86-64, whose stores and loads are each seen in
@@ -44,40 +48,40 @@ log = logging.getLogger(__name__)
 MAGIC = int.from_bytes(b"KVSRING1", "little")
 HEADER_BYTES = 64
 SLOT_HEADER_BYTES = 16
-DEFAULT_SLOTS = 64
-DEFAULT_SLOT_BYTES = 1024
+REPLY_SLOTS, REPLY_SLOT_BYTES = 64, 1024
 """Transfer and lookup replies are under 200 bytes; a worker-placement retrieve's object list may not fit,
 and travels over ZMQ only."""
+REQUEST_SLOTS, REQUEST_SLOT_BYTES = 4, 1 << 20
+"""A RETRIEVE carries its prompt's token ids, 8 bytes each: up to about 120k tokens fit a slot."""
 MAX_RING_BYTES = 16 << 20
 
 _NAME = re.compile(r"^kvstrata-ring-\d+-[0-9a-f]{8}$")
 
 
-class ReplyRingError(ValueError):
-    """A ring reference that does not name a usable reply ring."""
+class RingError(ValueError):
+    """A ring reference that does not name a usable kvstrata ring."""
 
 
 def _check_geometry(slots: int, slot_bytes: int) -> None:
     if slots < 1:
-        raise ReplyRingError(f"a reply ring needs at least one slot, got {slots}")
+        raise RingError(f"a ring needs at least one slot, got {slots}")
     if slot_bytes < 64 or slot_bytes % 64:
-        raise ReplyRingError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
+        raise RingError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
     if HEADER_BYTES + slots * slot_bytes > MAX_RING_BYTES:
-        raise ReplyRingError(f"a ring of {slots} slots of {slot_bytes} bytes exceeds {MAX_RING_BYTES} bytes")
+        raise RingError(f"a ring of {slots} slots of {slot_bytes} bytes exceeds {MAX_RING_BYTES} bytes")
 
 
-class ReplyRing:
-    """One mapped ring: :meth:`create` on the client (reader), :meth:`attach` on the server (writer)."""
+class SlotRing:
+    """One mapped ring: :meth:`create` on the client, :meth:`attach` on the server; either end may write."""
 
     def __init__(self, segment: Segment, slots: int, slot_bytes: int) -> None:
         self.segment = segment
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.capacity = slot_bytes - SLOT_HEADER_BYTES
-        """The largest reply frame a slot holds."""
+        """The largest frame a slot holds."""
         self._buf = segment.buf
         self._words = np.frombuffer(segment.buf, dtype=np.uint64, count=segment.size // 8)
-        self._stride = slot_bytes // 8
         self._next = 1
         """Writer: the sequence number of the next post. Reader: the one expected next."""
         self._lock = threading.Lock()
@@ -85,10 +89,10 @@ class ReplyRing:
         self.posted = 0
         self.taken = 0
         self.skipped = 0
-        """Reader: replies the writer overwrote before they were read (they arrive over ZMQ)."""
+        """Reader: frames the writer overwrote before they were read (they arrive over ZMQ)."""
 
     @classmethod
-    def create(cls, slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES) -> "ReplyRing":
+    def create(cls, slots: int, slot_bytes: int) -> "SlotRing":
         _check_geometry(slots, slot_bytes)
         seg = Segment.create("ring", HEADER_BYTES + slots * slot_bytes)
         words = np.frombuffer(seg.buf, dtype=np.uint64, count=3)
@@ -98,28 +102,28 @@ class ReplyRing:
         return cls(seg, slots, slot_bytes)
 
     @classmethod
-    def attach(cls, ref: dict[str, Any]) -> "ReplyRing":
-        """Map the ring a client named; refuses anything but a kvstrata reply ring of the declared geometry.
+    def attach(cls, ref: dict[str, Any]) -> "SlotRing":
+        """Map the ring a client named; refuses anything but a kvstrata ring of the declared geometry.
 
-        The name comes off the wire: writing replies into some other segment this
-        user owns would corrupt it, so the name pattern and the header's magic and
-        geometry must all match before the server writes a byte.
+        The name comes off the wire: writing into some other segment this user
+        owns would corrupt it, so the name pattern and the header's magic and
+        geometry must all match before the server touches a byte.
         """
         name, slots, slot_bytes = ref["name"], ref["slots"], ref["slot_bytes"]
         if not _NAME.match(name):
-            raise ReplyRingError(f"{name!r} is not a kvstrata reply ring name (kvstrata-ring-PID-HEX)")
+            raise RingError(f"{name!r} is not a kvstrata ring name (kvstrata-ring-PID-HEX)")
         _check_geometry(slots, slot_bytes)
         try:
             seg = Segment.attach(name, HEADER_BYTES + slots * slot_bytes)
         except FileNotFoundError:
-            raise ReplyRingError(f"no shared-memory segment {name}: the client is not on this host, or "
-                                 "has closed it") from None
+            raise RingError(f"no shared-memory segment {name}: the client is not on this host, or "
+                            "has closed it") from None
         header = np.frombuffer(seg.buf, dtype=np.uint64, count=3)
         found = (int(header[0]), int(header[1]), int(header[2]))
         del header
         if found != (MAGIC, slots, slot_bytes):
             seg.close()
-            raise ReplyRingError(f"segment {name} is not a reply ring of {slots} slots of {slot_bytes} bytes")
+            raise RingError(f"segment {name} is not a kvstrata ring of {slots} slots of {slot_bytes} bytes")
         return cls(seg, slots, slot_bytes)
 
     @property
@@ -127,7 +131,7 @@ class ReplyRing:
         return self.segment.name
 
     def ref(self) -> dict[str, Any]:
-        """What ATTACH_REPLY_RING sends (protocol: ``REPLY_RING_REF``)."""
+        """What ATTACH_RINGS sends (protocol: ``RING_REF``)."""
         return {"name": self.name, "slots": self.slots, "slot_bytes": self.slot_bytes}
 
     def _slot(self, sequence: int) -> tuple[int, int]:
@@ -136,10 +140,10 @@ class ReplyRing:
         word = (HEADER_BYTES + index * self.slot_bytes) // 8
         return word, word * 8 + SLOT_HEADER_BYTES
 
-    # --- writer (server) -------------------------------------------------------------------
+    # --- writer -------------------------------------------------------------------------
 
     def post(self, frame: bytes) -> bool:
-        """Write one reply frame; False if it does not fit a slot or the ring is closed (ZMQ carries it)."""
+        """Write one frame; False if it does not fit a slot or the ring is closed (ZMQ carries it)."""
         n = len(frame)
         if n > self.capacity:
             return False
@@ -156,13 +160,20 @@ class ReplyRing:
             self.posted += 1
         return True
 
-    # --- reader (client) ---------------------------------------------------------------
+    # --- reader -------------------------------------------------------------------------
 
     def take(self) -> list[bytes]:
-        """Every reply frame written since the last call, oldest first. One reader thread at a time."""
+        """Every frame written since the last call, oldest first. One reader thread at a time."""
         out: list[bytes] = []
+        while (frame := self.peek()) is not None:
+            out.append(frame)
+            self.advance()
+        return out
+
+    def peek(self) -> bytes | None:
+        """The next frame, without consuming it (None: nothing new). One reader thread at a time."""
         if self._closed:
-            return out
+            return None
         while True:
             expected = self._next
             word, start = self._slot(expected)
@@ -171,21 +182,31 @@ class ReplyRing:
                 n = int(self._words[word + 1])
                 frame = bytes(self._buf[start:start + min(n, self.capacity)])
                 if int(self._words[word]) == expected and n <= self.capacity:
-                    out.append(frame)
-                    self._next = expected + 1
-                    self.taken += 1
-                    continue
+                    return frame
             elif sequence < expected:
-                return out  # not written yet (0: being written)
+                return None  # not written yet (0: being written)
             self._resync()
 
+    def advance(self) -> None:
+        """Consume the frame :meth:`peek` returned."""
+        self._next += 1
+        self.taken += 1
+
+    def watch(self) -> tuple[int, int]:
+        """(address, value): the 64-bit word that holds ``value`` once the next frame is published.
+
+        For a spin outside Python (the CUDA extension's ``spin_until_readable``), so
+        a waiting reader sees a frame without a system call or a thread's wake-up.
+        """
+        return self._words.ctypes.data + 8 * self._slot(self._next)[0], self._next
+
     def _resync(self) -> None:
-        """The writer lapped this reader: skip to what follows the newest reply in the ring."""
+        """The writer lapped this reader: skip to what follows the newest frame in the ring."""
         newest = max(int(self._words[self._slot(s)[0]]) for s in range(1, self.slots + 1))
         skipped = max(newest + 1 - self._next, 1)
         self.skipped += skipped
         self._next += skipped
-        log.debug("reply ring %s lapped: %d replies left to ZMQ", self.name, skipped)
+        log.debug("ring %s lapped: %d frames left to ZMQ", self.name, skipped)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,319 @@
+"""Shared-memory rings: requests and replies beside ZMQ for a client on the server's host (CPU, real processes)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstrata.core.client import CacheClient
+from kvstrata.core.keys import CacheKey
+from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
+from kvstrata.core.shm_ring import HEADER_BYTES, RingError, SlotRing
+from kvstrata.core.shm import Segment, new_segment_name
+from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.core.transport import Client, RemoteError, Server
+from kvstrata.core.worker import LayerwiseWorker
+
+from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
+from test_transport import handler_of_arity
+
+
+@pytest.fixture
+def ring_pair():
+    reader = SlotRing.create(slots=4, slot_bytes=128)
+    writer = SlotRing.attach(reader.ref())
+    yield reader, writer
+    writer.close()
+    reader.destroy()
+
+
+def test_frames_come_out_in_order_once(ring_pair):
+    reader, writer = ring_pair
+    assert reader.take() == []
+    for i in range(3):
+        assert writer.post(f"reply {i}".encode())
+    assert reader.take() == [b"reply 0", b"reply 1", b"reply 2"]
+    assert reader.take() == []
+    for i in range(3, 9):  # around the ring more than once, read as it goes
+        assert writer.post(f"reply {i}".encode())
+        assert reader.take() == [f"reply {i}".encode()]
+
+
+def test_a_frame_larger_than_a_slot_is_left_to_zmq(ring_pair):
+    reader, writer = ring_pair
+    assert writer.capacity == 128 - 16
+    assert not writer.post(b"x" * (writer.capacity + 1))
+    assert writer.post(b"x" * writer.capacity)
+    assert reader.take() == [b"x" * writer.capacity]
+
+
+def test_a_lapped_reader_skips_what_was_overwritten_and_keeps_reading(ring_pair):
+    reader, writer = ring_pair
+    for i in range(10):  # 4 slots: replies 0..5 are overwritten before anyone reads
+        writer.post(f"r{i}".encode())
+    assert reader.take() == []  # what is left may be overwritten any moment: start after it
+    assert reader.skipped == 10
+    writer.post(b"r10")
+    assert reader.take() == [b"r10"]
+
+
+def test_a_slot_being_rewritten_is_not_read(ring_pair):
+    reader, writer = ring_pair
+    writer.post(b"first")
+    words = np.frombuffer(reader.segment.buf, dtype=np.uint64, count=HEADER_BYTES // 8 + 1)
+    words[HEADER_BYTES // 8] = 0  # the writer's "being rewritten" mark on slot 0
+    assert reader.take() == []
+    words[HEADER_BYTES // 8] = 1
+    del words
+    assert reader.take() == [b"first"]
+
+
+def test_attach_refuses_what_is_not_a_kvstrata_ring():
+    with pytest.raises(RingError, match="not a kvstrata ring name"):
+        SlotRing.attach({"name": "some-other-app-segment", "slots": 4, "slot_bytes": 128})
+    with pytest.raises(RingError, match="no shared-memory segment"):
+        SlotRing.attach({"name": "kvstrata-ring-1-0000abcd", "slots": 4, "slot_bytes": 128})
+    with pytest.raises(RingError, match="multiple of 64"):
+        SlotRing.attach({"name": "kvstrata-ring-1-0000abcd", "slots": 4, "slot_bytes": 100})
+    # a segment with a ring's name but no ring header: the server must not write into it
+    seg = Segment(new_segment_name("ring"), HEADER_BYTES + 4 * 128, create=True)
+    try:
+        with pytest.raises(RingError, match="is not a kvstrata ring of 4 slots"):
+            SlotRing.attach({"name": seg.name, "slots": 4, "slot_bytes": 128})
+    finally:
+        seg.destroy()
+    ring = SlotRing.create(slots=4, slot_bytes=128)
+    try:  # a ring of another geometry than declared
+        with pytest.raises(RingError, match="is not a kvstrata ring of 2 slots"):
+            SlotRing.attach({"name": ring.name, "slots": 2, "slot_bytes": 128})
+    finally:
+        ring.destroy()
+
+
+def test_a_polling_client_gets_replies_from_the_ring_alone(server):
+    client = Client(server.address, default_timeout=10)
+    try:
+        assert client.attach_rings()
+        client._stop.set()  # park the I/O thread, and never drain the socket: only the ring can resolve now
+        client._thread.join(timeout=5)
+        client._sock._drain = lambda: None
+        for i in range(20):
+            fut = client.submit(RequestType.PING, [])
+            deadline = time.monotonic() + 5
+            while not fut.done() and time.monotonic() < deadline:
+                client._take_replies()
+            assert fut.result(timeout=0) == "pong", i
+        assert client.reply_ring.taken >= 20
+    finally:
+        client.close()
+
+
+def test_error_replies_come_through_the_ring_too(server):
+    client = Client(server.address, default_timeout=10)
+    try:
+        assert client.attach_rings()
+        client._stop.set()
+        client._thread.join(timeout=5)
+        client._sock._drain = lambda: None
+        fut = client.submit_unchecked(RequestType.LOOKUP, ["not a key"])
+        deadline = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < deadline:
+            client._take_replies()
+        with pytest.raises(RemoteError, match="LOOKUP"):
+            fut.result(timeout=0)
+    finally:
+        client.close()
+
+
+def test_rings_the_server_cannot_map_leave_frames_to_zmq(server, monkeypatch, caplog):
+    create = SlotRing.create
+
+    def elsewhere(*a, **kw):  # as if the client ran on another host: the server finds no such segment
+        ring = create(*a, **kw)
+        ring.segment.unlink()
+        return ring
+
+    monkeypatch.setattr(SlotRing, "create", staticmethod(elsewhere))
+    client = Client(server.address, default_timeout=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstrata.core.transport"):
+            assert not client.attach_rings()
+        assert "frames travel over ZMQ only" in caplog.text and "ATTACH_RINGS" in caplog.text
+        assert client.reply_ring is None
+        assert client.call(RequestType.PING) == "pong"
+        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == 0
+    finally:
+        client.close()
+
+
+def test_the_rings_can_be_turned_off(server, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_RINGS", "0")
+    with Client(server.address, default_timeout=10) as client:
+        assert not client.attach_rings()
+        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == 0
+
+
+def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, monkeypatch):
+    client = CacheClient(server.address, timeout=20.0)
+    engine = ReferenceEngine(SMALL_32, num_blocks=64, block_size=16)
+    worker = LayerwiseWorker(client, 0, engine.layout)
+    try:
+        worker.register()
+        assert client.server_info()["rings"]["clients"] == 1
+        ring = client.transport.reply_ring
+        prompt = random_prompt(160)
+        store_prompt(client, engine, prompt)
+        looked_up = {w: lookup_into_fresh_blocks(client, engine, f"w{w}", prompt) for w in (0, 1)}
+        # from here only the ring can resolve a reply: no I/O thread, and the engine's polls never drain ZMQ
+        client.transport._stop.set()
+        client.transport._thread.join(timeout=5)
+        monkeypatch.setattr(client.transport._sock, "_drain", lambda: None)
+        for width, (key, dst) in looked_up.items():
+            rid = f"w{width}"
+            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            engine_loop(worker, rid, SMALL_32.num_layers)
+            worker.wait_all()
+            rec = worker.records[rid]
+            assert rec.failure is None and rec.completed_at is not None, rec
+            assert worker.future_of(rid) is None and rid not in worker.in_flight()
+            assert engine.mismatched_layers(prompt, dst, 0, 160) == [], width
+    finally:
+        worker.close()
+        client.close()
+        engine.close()
+    assert ring.segment.name not in os.listdir("/dev/shm"), "the client left its ring behind"
+
+
+# --- the request ring: the server serves a request from shared memory, once and in order ----------------
+
+
+def spin_watching_words(fd: int, max_us: int, *, events: Any = None, words: Any = None) -> bool:
+    """A Python stand-in for the extension's spin: True once ``fd`` is readable or a watched word holds its value."""
+    import select
+
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    deadline = time.monotonic() + max_us / 1e6
+    while time.monotonic() < deadline:
+        if any(ctypes.c_uint64.from_address(addr).value == value for addr, value in words or ()):
+            return True
+        if p.poll(0):
+            return True
+    return False
+
+
+class Recorder:
+    """Handlers that record what they served, in order; RETRIEVE answers at once."""
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+        self.lock = threading.Lock()
+
+    def note(self, what: str) -> dict:
+        with self.lock:
+            self.served.append(what)
+        return {"served": what}
+
+
+@pytest.fixture
+def ring_server():
+    servers: list[Server] = []
+
+    def start(busy: bool = True) -> tuple[Server, Recorder]:
+        rec = Recorder()
+        server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-rings-')}/s", transfer_threads=2)
+        for rt, decl in DECLARATIONS.items():
+            if rt in TRANSPORT_REQUESTS:
+                continue
+            if rt == RequestType.PING:
+                server.register(rt, lambda: "pong")
+            elif rt in (RequestType.FREE_LOOKUP_LOCKS, RequestType.END_SESSION):
+                server.register(rt, handler_of_arity(1, lambda request_id, name=rt.name: rec.note(f"{name}:{request_id}")))
+            elif rt == RequestType.LOOKUP:
+                server.register(rt, lambda key: rec.note(f"LOOKUP:{key['request_id']}"))
+            else:
+                server.register(rt, handler_of_arity(decl.arity, lambda *a: {}))
+        server.start()
+        if busy:
+            server.enable_busy_poll(spin_watching_words, 50.0)
+        servers.append(server)
+        return server, rec
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def key(rid: str, tokens: bytes = b"") -> dict:
+    return CacheKey.for_tokens(rid, [1, 2, 3], model="m").to_wire() | {"tokens": tokens}
+
+
+def test_requests_from_the_ring_are_served_once_and_in_order(ring_server):
+    server, rec = ring_server()
+    with Client(server.address, default_timeout=10) as client:
+        assert client.attach_rings() and client.request_ring is not None
+        sent = []
+        for i in range(300):  # oneway requests and calls, interleaved
+            if i % 3:
+                client.send_oneway(RequestType.END_SESSION, [f"e{i}"])
+                sent.append(f"END_SESSION:e{i}")
+            else:
+                assert client.call(RequestType.LOOKUP, [key(f"l{i}")]) == {"served": f"LOOKUP:l{i}"}
+                sent.append(f"LOOKUP:l{i}")
+        assert client.call(RequestType.PING) == "pong"
+    assert rec.served == sent  # each once, in the order sent
+    assert server.ring_requests > 0, "no request was served from the ring"
+
+
+def test_many_threads_sending_at_once_keep_each_request_served_once(ring_server):
+    server, rec = ring_server()
+    with Client(server.address, default_timeout=20) as client:
+        assert client.attach_rings()
+
+        def caller(t: int) -> list[str]:
+            return [client.call(RequestType.LOOKUP, [key(f"t{t}-{i}")])["served"] for i in range(100)]
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(caller, range(6)))
+    assert results == [[f"LOOKUP:t{t}-{i}" for i in range(100)] for t in range(6)]
+    assert sorted(rec.served) == sorted(f"LOOKUP:t{t}-{i}" for t in range(6) for i in range(100))
+
+
+def test_a_request_too_big_for_the_ring_keeps_its_place(ring_server):
+    server, rec = ring_server()
+    big = b"\0" * (client_ring_capacity() + 8)  # goes over ZMQ only; what follows must not overtake it
+    with Client(server.address, default_timeout=10) as client:
+        assert client.attach_rings()
+        order = []
+        for i in range(20):
+            if i % 5 == 2:
+                client.send_oneway(RequestType.LOOKUP, [key(f"big{i}", big)])
+                order.append(f"LOOKUP:big{i}")
+            client.send_oneway(RequestType.END_SESSION, [f"s{i}"])
+            order.append(f"END_SESSION:s{i}")
+        assert client.call(RequestType.PING) == "pong"
+    assert rec.served == order
+
+
+def test_without_busy_polling_the_zmq_copy_wakes_the_server_and_nothing_is_served_twice(ring_server):
+    server, rec = ring_server(busy=False)
+    with Client(server.address, default_timeout=10) as client:
+        assert client.attach_rings()
+        for i in range(50):
+            assert client.call(RequestType.LOOKUP, [key(f"q{i}")])["served"] == f"LOOKUP:q{i}"
+    assert rec.served == [f"LOOKUP:q{i}" for i in range(50)]
+
+
+def client_ring_capacity() -> int:
+    from kvstrata.core.shm_ring import REQUEST_SLOT_BYTES, SLOT_HEADER_BYTES
+
+    return REQUEST_SLOT_BYTES - SLOT_HEADER_BYTES
