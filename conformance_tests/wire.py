@@ -12,6 +12,11 @@ That is how the suite proves a request was released on its first slice and not
 on the transfer's completion: an adapter that waits for the reply can never
 release while it is held.
 
+The proxy refuses ATTACH_RINGS with an error reply: shared-memory rings would
+carry frames past it (the server would write a held reply straight into the
+adapter's reply ring), and a recording proxy must see every frame. Clients then
+fall back to ZMQ alone, as they do with a server on another host.
+
 One thread owns every socket (ZMQ sockets are not thread-safe); other threads
 only touch the recorded lists under a lock.
 """
@@ -191,7 +196,13 @@ class RecordingProxy:
                             back.connect(self.backend)
                             backs[identity], owner[back] = back, identity
                             poller.register(back, zmq.POLLIN)
-                        self._record_request(identity, body)
+                        if self._record_request(identity, body) == RequestType.ATTACH_RINGS:
+                            rid = codec.request_id_of(body)
+                            front.send_multipart([identity, codec.encode_reply(
+                                rid if rid is not None else -1, False,
+                                "ATTACH_RINGS: the conformance suite's recording proxy must see every frame, so it "
+                                "accepts no shared-memory rings")])
+                            continue
                         back.send(body)
                 for back, identity in owner.items():
                     if back not in events:
@@ -209,7 +220,7 @@ class RecordingProxy:
                 back.close(0)
             front.close(0)
 
-    def _record_request(self, identity: bytes, body: bytes) -> None:
+    def _record_request(self, identity: bytes, body: bytes) -> RequestType | None:
         now = time.perf_counter()
         try:
             req = codec.decode_request(body)
@@ -220,6 +231,7 @@ class RecordingProxy:
             self._state.requests.append(rec)
             if rec.request_id is not None:
                 self._state.by_id[(identity, rec.request_id)] = rec
+        return rec.request_type
 
     def _record_reply(self, identity: bytes, body: bytes) -> bool:
         """Record a reply; True if it is held back rather than forwarded now."""
