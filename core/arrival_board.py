@@ -85,6 +85,11 @@ class ArrivalBoard:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"board {self.name} has {self.num_slots} slots, slot {slot} asked")
 
+    def word_offset(self, slot: int) -> int:
+        """Byte offset of ``slot``'s word in the segment: where a device may store it (see publish())."""
+        self._check(slot)
+        return slot * SLOT_BYTES
+
     # writer side (server)
     def publish(self, slot: int, generation: int, layers: int, *, complete: bool = False) -> None:
         self._check(slot)

@@ -228,8 +228,8 @@ DECLARATIONS: dict[RequestType, Declaration] = {
         Declaration(RequestType.RETRIEVE, RETRIEVE_ITEMS, MAP, blocking=True),
         Declaration(RequestType.FREE_LOOKUP_LOCKS, (Item("request_id", STR),), INT, blocking=False),
         Declaration(RequestType.END_SESSION, (Item("request_id", STR),), INT, blocking=False),
-        Declaration(RequestType.ATTACH_RINGS, (Item("replies", RING_REF), Item("requests", optional(RING_REF))),
-                    BOOL, blocking=False),
+        Declaration(RequestType.ATTACH_RINGS, (Item("replies", RING_REF), Item("requests", optional(RING_REF)),
+                                               Item("mailbox", optional(RING_REF))), BOOL, blocking=False),
     )
 }
 

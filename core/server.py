@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import planner
-from .arrival_board import ArrivalBoard
+from .arrival_board import ArrivalBoard, pack
 from .keys import CacheKey
 from .l1_store import L1Store, StoreFull, StoredObject
 from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from .protocol import RequestType
-from .targets import Completion, Target, open_target
+from .targets import Completion, HostSignal, Target, open_target
 from .shm import sweep_stale_segments
 from .transport import Deferred, Server, hands_over_turn
 
@@ -124,7 +124,8 @@ class CacheServer:
                 "l1": self.store.stats(), "pool": {"name": self.store.segment.name, "size": self.store.capacity},
                 "instances": sorted(self._instances),
                 "keep_warm": {"every_ms": self.config.keep_warm_ms, "rehearsals": self.transport.rehearsals},
-                "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests}}
+                "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests},
+                "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
         placement = descriptor["placement"]
@@ -376,13 +377,13 @@ class CacheServer:
             executor.close()
         if event_handle is not None:
             target.record(target.open_layer_events([event_handle]))
-        done = target.completion()
         reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
                  "objects": None, "pool": None}
+        done = target.completion(self._end_signals(board, board_ref, layout.num_layers, reply))
 
         def settle() -> dict[str, Any]:
             done.wait()
-            if board is not None:
+            if board is not None and not done.signalled:
                 # The worker settles on this word without waiting for the reply, so it is the
                 # last thing this retrieve writes to the slot (the slot may be reused at once).
                 board.publish(board_ref["slot"], board_ref["generation"], layout.num_layers, complete=True)
@@ -392,6 +393,24 @@ class CacheServer:
             return reply
 
         return done, settle
+
+    def _end_signals(self, board: ArrivalBoard | None, board_ref: dict[str, Any] | None, num_layers: int,
+                     reply: dict[str, Any]) -> list[HostSignal]:
+        """What the device should store itself when this retrieve's copies end (see ``Target.completion``).
+
+        Layer-major: the board slot's "complete" word, which the worker settles on.
+        Chunk-major: the request's id, in a slot of the client's mailbox that holds
+        the reply already (:class:`~kvstrata.core.shm_ring.Mailbox`). Either way an
+        engine polling its memory learns of the end with no server thread between
+        the copy's end and it; the reply still follows as usual.
+        """
+        if board is not None:
+            slot, generation = board_ref["slot"], board_ref["generation"]
+            return [HostSignal(board.segment, board.word_offset(slot), pack(generation, num_layers, complete=True))]
+        mail = self.transport.mailbox_slot()
+        if mail is not None and mail.fill(reply):
+            return [HostSignal(mail.segment, mail.word_offset, mail.request_id)]
+        return []
 
     # --- keeping the path warm ----------------------------------------------------------
 

@@ -8,12 +8,14 @@ unlinks a segment it does not own when it exits; the creator unlinks explicitly.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import re
 import secrets
 import stat
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,11 @@ class Segment:
         self.size = size
         self.readonly = readonly
         self.buf = memoryview(self._mmap)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap)) if not readonly else 0
+        """Where the mapping starts in this process (0 for a read-only one)."""
+        self.before_close: list[Callable[[], None]] = []
+        """Run first by :meth:`close`: whatever was registered on the mapping (such as a CUDA host
+        registration of it) must be let go while the mapping still exists."""
 
     @classmethod
     def create(cls, prefix: str, size: int) -> "Segment":
@@ -121,6 +128,12 @@ class Segment:
 
     def close(self) -> None:
         """Unmap. Views handed out (numpy arrays, tensors) must be dropped first."""
+        hooks, self.before_close = self.before_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # the mapping goes regardless
+                log.warning("shared-memory segment %s: a close hook failed: %s", self.name, exc)
         try:
             self.buf.release()
             self._mmap.close()

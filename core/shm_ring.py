@@ -222,3 +222,53 @@ class SlotRing:
         self.close()
         if self.segment.owner:
             self.segment.unlink()
+
+
+MAILBOX_SLOTS, MAILBOX_SLOT_BYTES = 64, 1024
+
+
+class Mailbox(SlotRing):
+    """Slots addressed by index, whose word a device may write: how the GPU itself says a transfer is done.
+
+    The client creates it beside its rings. When the server enqueues a transfer
+    for it, it writes the transfer's success reply into a free slot with the word
+    at 0, then has the GPU store the request's id in that word once the copies
+    have finished (``CudaIpcTarget.signal_when_done``). The client's poll finds
+    the id among its pending requests and resolves the reply then, with no host
+    thread between the copy's end and the engine. The usual reply follows over
+    the ring and ZMQ, and whichever copy comes first resolves the request; the
+    server reuses a slot only after that reply went out.
+    """
+
+    def word_offset(self, index: int) -> int:
+        """Byte offset in the segment of slot ``index``'s word."""
+        return self._slot(index + 1)[0] * 8
+
+    def fill(self, index: int, frame: bytes) -> bool:
+        """Writer: put a reply frame in slot ``index``, its word cleared (the device sets it later)."""
+        if len(frame) > self.capacity or self._closed:
+            return False
+        word, start = self._slot(index + 1)
+        self._words[word] = 0
+        self._words[word + 1] = len(frame)
+        self._buf[start:start + len(frame)] = frame
+        return True
+
+    def scan(self, wanted: Any) -> list[bytes]:
+        """Reader: the frames of slots whose word holds one of ``wanted`` (request ids), read consistently."""
+        if self._closed:
+            return []
+        first = HEADER_BYTES // 8
+        words = self._words[first:first + self.slots * (self.slot_bytes // 8):self.slot_bytes // 8]
+        out = []
+        for index in np.flatnonzero(words):
+            value = int(words[index])
+            if value not in wanted:
+                continue
+            word, start = self._slot(int(index) + 1)
+            n = int(self._words[word + 1])
+            frame = bytes(self._buf[start:start + min(n, self.capacity)])
+            if int(self._words[word]) == value and n <= self.capacity:
+                out.append(frame)
+        self.taken += len(out)
+        return out

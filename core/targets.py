@@ -10,6 +10,7 @@ it, so the server runs without CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -20,11 +21,22 @@ from .planner import Executor
 from .shm import Segment
 
 
+@dataclass(frozen=True)
+class HostSignal:
+    """Store ``value`` (64 bits) at byte ``offset`` of a shared-memory ``segment`` once a transfer's copies end."""
+
+    segment: Segment
+    offset: int
+    value: int
+
+
 class Completion(Protocol):
     """The end of one transfer's copies on a device (see :meth:`Target.completion`)."""
 
     handle: int
     """What the transport's busy-wait function can watch without the GIL (a raw CUDA event), or 0."""
+    signalled: bool
+    """Whether the device itself stores the signals asked of :meth:`Target.completion` once the copies end."""
 
     def ready(self) -> bool:
         """Without blocking: have the copies completed? (May say so late, never early.)"""
@@ -37,6 +49,7 @@ class _Done:
     """The completion of copies that ran inside the executor's calls (CPU targets)."""
 
     handle = 0
+    signalled = False
 
     def ready(self) -> bool:
         return True
@@ -76,9 +89,15 @@ class Target(Protocol):
     def finish(self) -> None:
         """Block until every copy enqueued so far is complete."""
 
-    def completion(self) -> "Completion":
+    def completion(self, signals: Sequence[HostSignal] = ()) -> "Completion":
         """Mark everything enqueued so far, for the transfer that enqueued it: lets the server answer from
-        its polling thread the moment the device is done, instead of from a thread blocked in finish()."""
+        its polling thread the moment the device is done, instead of from a thread blocked in finish().
+
+        ``signals``: 64-bit words in shared memory the device itself should store once the copies have
+        ended (before the mark), so a process polling that memory learns of the end with no host thread
+        in between. A target that cannot (the CPU ones: their copies are over already) ignores them, and
+        says so in the completion's ``signalled``.
+        """
 
     def close(self) -> None: ...
 
@@ -126,7 +145,7 @@ class ShmTarget:
     def finish(self) -> None:
         return None
 
-    def completion(self) -> "Completion":
+    def completion(self, signals: Sequence[HostSignal] = ()) -> "Completion":
         return DONE  # copies ran inside the executor's calls
 
     def close(self) -> None:

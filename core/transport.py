@@ -56,7 +56,9 @@ import zmq
 
 from . import codec
 from .protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
-from .shm_ring import REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES, REQUEST_SLOTS, SlotRing
+from .shm import Segment
+from .shm_ring import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
+                       REQUEST_SLOTS, Mailbox, SlotRing)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,9 @@ _MAX_PEERS = 256
 frames then travel over ZMQ only). ZMQ does not say when a client went away."""
 
 _RINGS_ENV = "KVSTRATA_RINGS"
-"""Engine side: ``both`` (default), ``replies`` (no request ring) or ``0`` (no rings), for A/B runs."""
+"""Engine side, for A/B runs: ``all`` (default: request and reply rings and the mailbox), ``rings`` (no
+mailbox), ``replies`` (the reply ring only) or ``0`` (nothing in shared memory)."""
+_RING_SETTINGS = ("all", "rings", "replies")
 
 
 def hands_over_turn(handler: Handler) -> Handler:
@@ -114,12 +118,14 @@ class Deferred:
     own thread is free at once. Without it, the handler's thread settles it at once.
     """
 
-    __slots__ = ("settle", "ready", "wait_handle")
+    __slots__ = ("settle", "ready", "wait_handle", "mail")
 
     def __init__(self, settle: Callable[[], Any], ready: Callable[[], bool], wait_handle: int = 0) -> None:
         self.settle = settle
         self.ready = ready
         self.wait_handle = wait_handle
+        self.mail: MailSlot | None = None
+        """The client's mailbox slot the handler took (:meth:`Server.mailbox_slot`): freed once answered."""
 
 
 class RemoteError(RuntimeError):
@@ -249,6 +255,7 @@ class _Peer:
 
     replies: SlotRing
     requests: SlotRing | None
+    mailbox: Mailbox | None
     next_id: int
     """The id of the request this client sent next after the last one served: it numbers its requests
     in the order it sends them, so the ring's next frame may be served early only if it has this id."""
@@ -256,11 +263,44 @@ class _Peer:
     """Requests served from the ring whose ZMQ copy has not arrived yet; that copy is dropped."""
     stalled: bool = False
     """The ring's next frame is ahead of next_id: ZMQ must deliver what was sent before it first."""
+    mail_free: list[int] = field(default_factory=list)
+    """Mailbox slots no transfer holds (guarded by the server's peers lock)."""
+    retired: bool = False
+    """Replaced or let go: its mailbox closes once no transfer holds a slot (a device may still write one)."""
 
     def close(self) -> None:
+        """Close the rings now, the mailbox once no transfer in flight holds a slot of it."""
+        self.retired = True
         self.replies.close()
         if self.requests is not None:
             self.requests.close()
+        if self.mailbox is not None and len(self.mail_free) == self.mailbox.slots:
+            self.mailbox.close()
+
+
+@dataclass
+class MailSlot:
+    """A slot of a client's mailbox, lent to the transfer being served until its reply has gone out."""
+
+    peer: _Peer
+    index: int
+    request_id: int
+
+    @property
+    def segment(self) -> Segment:
+        assert self.peer.mailbox is not None
+        return self.peer.mailbox.segment
+
+    @property
+    def word_offset(self) -> int:
+        assert self.peer.mailbox is not None
+        return self.peer.mailbox.word_offset(self.index)
+
+    def fill(self, value: Any) -> bool:
+        """Write the success reply ``value`` into the slot (the device stores the request id when done)."""
+        box = self.peer.mailbox
+        return box is not None and not self.peer.retired and box.fill(
+            self.index, codec.encode_reply(self.request_id, True, value))
 
 
 class Server:
@@ -374,14 +414,16 @@ class Server:
             left, self._awaiting = self._awaiting, []
         for _, request, deferred in left:  # no reply goes out any more, but what they hold is released
             self._settle(request, deferred)
+            self._free_mail(deferred.mail)
         if left:
             log.info("stopped with %d transfer(s) in flight: settled without replies", len(left))
         if self._sock is not None:
             self._sock.close()
         with self._peers_lock:
             peers, self._peers = list(self._peers.values()), collections.OrderedDict()
-        for peer in peers:
-            peer.close()
+            for peer in peers:  # every transfer has been settled above: no device writes a mailbox now
+                peer.mail_free = list(range(peer.mailbox.slots)) if peer.mailbox is not None else []
+                peer.close()
         self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -527,6 +569,7 @@ class Server:
             try:
                 self._send(identity, self._settle(request, deferred))
             finally:
+                self._free_mail(deferred.mail)
                 with self._work:
                     self._blocking_running -= 1
         if not self._awaiting:
@@ -643,9 +686,14 @@ class Server:
 
     def _run_blocking(self, identity: bytes, request: codec.Request) -> None:
         deferred = False
+        self._local.request, self._local.mail = (identity, request.request_id), None
         try:
-            reply = self._run(request)
+            try:
+                reply = self._run(request)
+            finally:
+                mail, self._local.request, self._local.mail = self._local.mail, None, None
             if isinstance(reply, Deferred):
+                reply.mail = mail
                 if self._busy_wait is not None and self._defer_replies and not self._stop.is_set():
                     with self._awaiting_lock:  # the polling thread settles and answers it
                         self._awaiting.append((identity, request, reply))
@@ -655,6 +703,7 @@ class Server:
             self._send(identity, reply)
         finally:
             if not deferred:
+                self._free_mail(mail)
                 with self._work:
                     self._blocking_running -= 1
 
@@ -669,18 +718,50 @@ class Server:
             if not self._stop.is_set():
                 log.warning("could not send a reply: %s", exc)
 
+    def mailbox_slot(self) -> MailSlot | None:
+        """For the blocking request this thread is serving: a free slot of its client's mailbox, or None.
+
+        Lent until the request's reply has gone out (one per request); see
+        :class:`~kvstrata.core.shm_ring.Mailbox` for what the slot is for.
+        """
+        current = getattr(self._local, "request", None)
+        if current is None or getattr(self._local, "mail", None) is not None:
+            return None
+        identity, request_id = current
+        peer = self._peers.get(identity)
+        if peer is None or peer.mailbox is None:
+            return None
+        with self._peers_lock:
+            if peer.retired or not peer.mail_free:
+                return None
+            slot = MailSlot(peer, peer.mail_free.pop(), request_id)
+        self._local.mail = slot
+        return slot
+
+    def _free_mail(self, slot: MailSlot | None) -> None:
+        if slot is None:
+            return
+        with self._peers_lock:
+            peer = slot.peer
+            peer.mail_free.append(slot.index)
+            if peer.retired:
+                peer.close()
+
     @property
     def ring_clients(self) -> int:
         """Clients that attached shared-memory rings (see ATTACH_RINGS)."""
         return len(self._peers)
 
     def _attach_rings(self, identity: bytes, request_id: int, replies: dict[str, Any],
-                      requests: dict[str, Any] | None) -> bool:
-        """ATTACH_RINGS: map the sender's rings; from its next request on, both carry copies of its frames."""
-        peer = _Peer(SlotRing.attach(replies), None, request_id + 1)
+                      requests: dict[str, Any] | None, mailbox: dict[str, Any] | None) -> bool:
+        """ATTACH_RINGS: map the sender's rings; from its next request on, they carry copies of its frames."""
+        peer = _Peer(SlotRing.attach(replies), None, None, request_id + 1)
         try:
             if requests is not None:
                 peer.requests = SlotRing.attach(requests)
+            if mailbox is not None:
+                peer.mailbox = Mailbox.attach(mailbox)
+                peer.mail_free = list(range(peer.mailbox.slots))
         except Exception:
             peer.close()
             raise
@@ -690,7 +771,8 @@ class Server:
             evicted = self._peers.popitem(last=False)[1] if len(self._peers) > _MAX_PEERS else None
         for p in (old, evicted):
             if p is not None:
-                p.close()
+                with self._peers_lock:
+                    p.close()
         if evicted is not None:
             log.info("rings %s let go: more than %d clients attached rings; that client's frames travel over "
                      "ZMQ only", evicted.replies.name, _MAX_PEERS)
@@ -745,6 +827,7 @@ class Client:
         server relies on to serve a request from the ring only when it is the next one (see Server)."""
         self._replies: SlotRing | None = None
         self._requests: SlotRing | None = None
+        self._mailbox: Mailbox | None = None
         self._replies_lock = threading.Lock()  # one reader at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
@@ -828,25 +911,27 @@ class Client:
         """
         if self._replies is not None:
             return True
-        setting = os.environ.get(_RINGS_ENV, "both")
-        if setting not in ("both", "replies"):
+        setting = os.environ.get(_RINGS_ENV, "all")
+        if setting not in _RING_SETTINGS:
             log.info("shared-memory rings off (%s=%s): frames to and from %s travel over ZMQ only", _RINGS_ENV,
                      setting, self.address)
             return False
         replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES)
-        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES) if setting == "both" else None
+        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES) if setting != "replies" else None
+        mailbox = Mailbox.create(MAILBOX_SLOTS, MAILBOX_SLOT_BYTES) if setting == "all" else None
+        refs = [r.ref() if r is not None else None for r in (replies, requests, mailbox)]
         try:
-            self.call(RequestType.ATTACH_RINGS, [replies.ref(), requests.ref() if requests else None], timeout)
+            self.call(RequestType.ATTACH_RINGS, refs, timeout)
         except (RemoteError, RequestTimeout) as exc:
-            for ring in (replies, requests):
+            for ring in (replies, requests, mailbox):
                 if ring is not None:
                     ring.destroy()
             log.warning("no shared-memory rings with %s, frames travel over ZMQ only: %s", self.address, exc)
             return False
         with self._send_lock, self._replies_lock:
-            self._replies, self._requests = replies, requests
-        log.info("requests to and replies from %s also travel through shared memory (%s, %s)", self.address,
-                 replies.name, requests.name if requests else "replies only")
+            self._replies, self._requests, self._mailbox = replies, requests, mailbox
+        log.info("requests to and replies from %s also travel through shared memory (%s)", self.address,
+                 ", ".join(r.name for r in (replies, requests, mailbox) if r is not None))
         return True
 
     @property
@@ -857,11 +942,18 @@ class Client:
     def request_ring(self) -> SlotRing | None:
         return self._requests
 
+    @property
+    def mailbox(self) -> Mailbox | None:
+        return self._mailbox
+
     def _take_replies(self) -> None:
         if self._replies is None or not self._replies_lock.acquire(blocking=False):
             return  # no ring, or another thread is reading it now
         try:
-            frames = self._replies.take() if self._replies is not None else []
+            # replies the GPU announced itself first: the ring may hold later copies of the same
+            frames = self._mailbox.scan(self._pending) if self._mailbox is not None and self._pending else []
+            if self._replies is not None:
+                frames += self._replies.take()
         finally:
             self._replies_lock.release()
         for frame in frames:
@@ -904,7 +996,8 @@ class Client:
         self.fail_pending("client closed")
         self._sock.close()
         with self._send_lock, self._replies_lock:
-            rings, self._replies, self._requests = (self._replies, self._requests), None, None
+            rings = (self._replies, self._requests, self._mailbox)
+            self._replies, self._requests, self._mailbox = None, None, None
         for ring in rings:
             if ring is not None:
                 ring.destroy()

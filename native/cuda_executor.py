@@ -113,26 +113,36 @@ def pin_pool(pool: torch.Tensor, device_index: int, ext: Any) -> int:
     """
     if pool.device.type != "cpu" or pool.dtype != torch.uint8 or not pool.is_contiguous():
         raise ValueError("the L1 pool must be a contiguous uint8 CPU tensor")
-    key = (pool.data_ptr(), pool.numel())
+    return pin_host_range(pool.data_ptr(), pool.numel(), device_index, ext, what="the L1 pool")
+
+
+def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
+    """Drop one engine's use of a pinned pool; the last one unregisters it (see :func:`unpin_host_range`)."""
+    unpin_host_range(pool.data_ptr(), pool.numel(), ext)
+
+
+def pin_host_range(addr: int, size: int, device_index: int, ext: Any, *, what: str = "a host range") -> int:
+    """Register a host mapping for device access once per process (reference counted); its device pointer."""
+    key = (addr, size)
     with _pinned_lock:
         entry = _pinned.get(key)
         if entry is None:
-            dev_ptr = ext.host_register(key[0], key[1], device_index)
+            dev_ptr = ext.host_register(addr, size, device_index)
             _pinned[key] = entry = {"refs": 0, "dev": {device_index: dev_ptr}}
-            log.info("pinned the %d MiB L1 pool for CUDA (cudaHostRegister)", key[1] >> 20)
+            log.info("pinned %s for CUDA (cudaHostRegister, %d KiB)", what, size >> 10)
         elif device_index not in entry["dev"]:
-            entry["dev"][device_index] = ext.host_device_pointer(key[0], device_index)
+            entry["dev"][device_index] = ext.host_device_pointer(addr, device_index)
         entry["refs"] += 1
         return entry["dev"][device_index]
 
 
-def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
-    """Drop one engine's use of a pinned pool; the last one unregisters it.
+def unpin_host_range(addr: int, size: int, ext: Any) -> None:
+    """Drop one use of a pinned range; the last one unregisters it.
 
     A registration must not outlive the mapping: a later mapping at the same
     address would otherwise be read through the old pages' device mapping.
     """
-    key = (pool.data_ptr(), pool.numel())
+    key = (addr, size)
     with _pinned_lock:
         entry = _pinned.get(key)
         if entry is None:
@@ -140,7 +150,7 @@ def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
         entry["refs"] -= 1
         if entry["refs"] <= 0:
             del _pinned[key]
-            ext.host_unregister(key[0])
+            ext.host_unregister(addr)
 
 
 def pinned_device_pointer(ptr: int, device_index: int, ext: Any) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import threading
 from typing import Any, Sequence
 
@@ -27,9 +28,11 @@ import torch
 from kvstrata.core.l1_store import StoredObject, object_view
 from kvstrata.core.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.planner import Executor
+from kvstrata.core.shm import Segment
+from kvstrata.core.targets import HostSignal
 
 from . import cuda_ipc
-from .cuda_executor import CudaTransferConfig, CudaTransferEngine
+from .cuda_executor import CudaTransferConfig, CudaTransferEngine, pin_host_range, unpin_host_range
 from .warm_path import WarmPath
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,11 @@ class CudaIpcTarget:
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
         self._warm_path: WarmPath | None = None  # built by enable_keep_warm(), when the server keeps warm
+        self._signals_on = self.enqueues and getattr(self.engine.ext, "signal_host", None) is not None
+        self.signals = 0
+        """Host words the GPU was asked to store at transfer ends (server_info's ``gpu_signals``)."""
+        self._host_segments: dict[str, int] = {}
+        """Device base address of each shared-memory segment the GPU signals into (see completion())."""
         log.info("CUDA target on %s (%s): %s copies, up to %d CTAs per launch", self.device,
                  torch.cuda.get_device_name(self.index), self.engine.config.mode, self.engine.max_ctas)
 
@@ -172,8 +180,15 @@ class CudaIpcTarget:
     def finish(self) -> None:
         self.engine.synchronize()
 
-    def completion(self) -> "DeviceCompletion":
-        """A mark after everything enqueued so far on both copy streams (see :class:`DeviceCompletion`)."""
+    def completion(self, signals: Sequence[HostSignal] = ()) -> "DeviceCompletion":
+        """A mark after everything enqueued so far on both copy streams (see :class:`DeviceCompletion`).
+
+        Each of ``signals`` is stored by the GPU itself (a one-thread kernel writing
+        the mapped word) after the copies and before the mark, so the mark's
+        completion also means the signals have landed: whoever unmaps a signalled
+        segment waits for the mark first. If storing signals fails once (no
+        extension, no host registration), it is logged and they stay off.
+        """
         e = self.engine
         with self._events_lock:
             done = self._done_events.pop() if self._done_events else None
@@ -183,8 +198,43 @@ class CudaIpcTarget:
             if e.copy_stream is not None:
                 self._copy_done.record(e.copy_stream)
                 e.stream.wait_event(self._copy_done)
+            signalled = bool(signals) and self._signal(signals)
             done.record(e.stream)
-        return DeviceCompletion(self, done)
+        return DeviceCompletion(self, done, signalled)
+
+    def _signal(self, signals: Sequence[HostSignal]) -> bool:
+        if not self._signals_on:
+            return False
+        ext = self.engine.ext
+        try:
+            addresses = [self._device_word(s.segment, s.offset) for s in signals]
+            for dev, s in zip(addresses, signals):
+                ext.signal_host(dev, s.value, self.index, self.engine.stream.cuda_stream)
+            self.signals += len(signals)
+            return True
+        except Exception as exc:
+            self._signals_on = False
+            log.warning("the GPU no longer signals transfer ends itself (the server's polling thread announces "
+                        "them, a little later): %s", exc)
+            return False
+
+    def _device_word(self, segment: Segment, offset: int) -> int:
+        """The device address of a word in a shared-memory segment, registering the segment on first use."""
+        base = self._host_segments.get(segment.name)
+        if base is None:
+            if not segment.address or not 0 <= offset <= segment.size - 8:
+                raise ValueError(f"cannot signal at offset {offset} of segment {segment.name}")
+            addr, size = segment.address, -(-segment.size // mmap.PAGESIZE) * mmap.PAGESIZE
+            ext = self.engine.ext
+            base = pin_host_range(addr, size, self.index, ext, what=f"segment {segment.name}")
+            self._host_segments[segment.name] = base
+
+            def unregister(name: str = segment.name) -> None:  # before the segment is unmapped
+                self._host_segments.pop(name, None)
+                unpin_host_range(addr, size, ext)
+
+            segment.before_close.append(unregister)
+        return base + offset
 
     def _recycle(self, done: torch.cuda.Event) -> None:
         with self._events_lock:
@@ -215,12 +265,13 @@ class DeviceCompletion:
     seen complete.
     """
 
-    __slots__ = ("handle", "_target", "_event", "_query", "_seen")
+    __slots__ = ("handle", "signalled", "_target", "_event", "_query", "_seen")
 
-    def __init__(self, target: CudaIpcTarget, event: torch.cuda.Event) -> None:
+    def __init__(self, target: CudaIpcTarget, event: torch.cuda.Event, signalled: bool = False) -> None:
         self._target = target
         self._event = event
         self.handle = event.cuda_event
+        self.signalled = signalled
         ext = target.engine.ext
         self._query = ext.event_query if ext is not None else (lambda _h: event.query())
         self._seen = False

@@ -23,7 +23,7 @@ GOOD = {
                             "tokens": b""}, 0, [[0]], None, 0, None, None, 0],
     RequestType.FREE_LOOKUP_LOCKS: ["r"],
     RequestType.END_SESSION: ["r"],
-    RequestType.ATTACH_RINGS: [{"name": "kvstrata-ring-1-00000000", "slots": 1, "slot_bytes": 64}, None],
+    RequestType.ATTACH_RINGS: [{"name": "kvstrata-ring-1-00000000", "slots": 1, "slot_bytes": 64}, None, None],
 }
 
 

@@ -17,10 +17,10 @@ import pytest
 from kvstrata.core.client import CacheClient
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
-from kvstrata.core.shm_ring import HEADER_BYTES, RingError, SlotRing
+from kvstrata.core.shm_ring import HEADER_BYTES, Mailbox, RingError, SlotRing
 from kvstrata.core.shm import Segment, new_segment_name
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transport import Client, RemoteError, Server
+from kvstrata.core.transport import Client, Deferred, RemoteError, Server, _Peer
 from kvstrata.core.worker import LayerwiseWorker
 
 from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
@@ -317,3 +317,96 @@ def client_ring_capacity() -> int:
     from kvstrata.core.shm_ring import REQUEST_SLOT_BYTES, SLOT_HEADER_BYTES
 
     return REQUEST_SLOT_BYTES - SLOT_HEADER_BYTES
+
+
+# --- the mailbox: the device announces a transfer's end itself ---------------------------------------------
+
+
+def test_a_mailbox_slot_is_read_only_once_its_word_holds_a_wanted_id():
+    client_side = Mailbox.create(4, 128)
+    server_side = Mailbox.attach(client_side.ref())
+    words = np.frombuffer(server_side.segment.buf, dtype=np.uint64)
+    try:
+        assert server_side.fill(2, b"reply for 7")
+        assert client_side.scan({7}) == []  # filled, not announced
+        words[server_side.word_offset(2) // 8] = 7  # what the GPU stores when the copies end
+        assert client_side.scan({8}) == []  # not one this client waits for (an old transfer's word)
+        assert client_side.scan({7, 8}) == [b"reply for 7"]
+        assert server_side.fill(2, b"reply for 9")  # reused: the word is cleared with the new frame
+        assert client_side.scan({7, 9}) == []
+        assert not server_side.fill(1, b"x" * 200)  # does not fit a slot
+    finally:
+        del words
+        server_side.close()
+        client_side.destroy()
+
+
+class DeviceStandIn:
+    """RETRIEVE as a device target would serve it: fill a mailbox slot, have a "device" thread store the
+    request id in it after ``announce_s``, and report the copies done only ``ready_s`` later."""
+
+    def __init__(self, server: Server, announce_s: float, ready_s: float) -> None:
+        self.server, self.announce_s, self.ready_s = server, announce_s, ready_s
+        self.ready_at: list[float] = []
+
+    def retrieve(self, *payload: Any) -> Deferred:
+        mail = self.server.mailbox_slot()
+        assert mail is not None and self.server.mailbox_slot() is None  # one slot per request
+        reply = {"retrieved_tokens": 3}
+        assert mail.fill(reply)
+        words = np.frombuffer(mail.segment.buf, dtype=np.uint64)
+        done = threading.Event()
+
+        def device() -> None:
+            time.sleep(self.announce_s)
+            words[mail.word_offset // 8] = mail.request_id
+            time.sleep(self.ready_s)
+            self.ready_at.append(time.perf_counter())
+            done.set()
+
+        threading.Thread(target=device, daemon=True).start()
+        return Deferred(lambda: reply, done.is_set)
+
+
+def test_a_polling_client_resolves_a_transfer_from_the_mailbox_before_the_server_answers():
+    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-rings-')}/s", transfer_threads=2)
+    device = DeviceStandIn(server, announce_s=0.05, ready_s=0.5)
+    for rt, decl in DECLARATIONS.items():
+        if rt not in TRANSPORT_REQUESTS:
+            server.register(rt, handler_of_arity(decl.arity, device.retrieve if rt == RequestType.RETRIEVE
+                                                 else (lambda *a: {})))
+    server.start()
+    server.enable_busy_poll(spin_watching_words, 50.0)
+    client = Client(server.address, default_timeout=10)
+    try:
+        assert client.attach_rings() and client.mailbox is not None
+        for i in range(3):
+            fut = client.submit(RequestType.RETRIEVE, [key(f"m{i}"), 0, [[0]], None, 0, None, None, 0])
+            while not fut.done():
+                client.poll()
+                time.sleep(1e-4)
+            resolved = time.perf_counter()
+            assert fut.result() == {"retrieved_tokens": 3}
+            time.sleep(0.6)  # let the server answer too: its copy must not resolve anything twice
+            assert resolved < device.ready_at[i], "resolved only once the server answered, not from the mailbox"
+        assert client.mailbox.taken == 3
+        peer = next(iter(server._peers.values()))
+        assert len(peer.mail_free) == peer.mailbox.slots  # every slot back once its reply went out
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_retired_client_keeps_its_mailbox_mapped_while_a_transfer_holds_a_slot():
+    box = Mailbox.create(2, 128)
+    replies = SlotRing.create(2, 128)
+    peer = _Peer(SlotRing.attach(replies.ref()), None, Mailbox.attach(box.ref()), 1, mail_free=[1])
+    try:
+        peer.close()  # slot 0 is lent: a device may still write it
+        assert peer.retired and not peer.mailbox._closed
+        peer.mail_free.append(0)
+        peer.close()
+        assert peer.mailbox._closed
+    finally:
+        box.destroy()
+        replies.destroy()

@@ -140,6 +140,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "one copy-engine job per {dst, dpitch, src, spitch, width, height} row of a host int64 array",
       py::arg("runs"), py::arg("n_runs"), py::arg("device"), py::arg("stream"));
+  m.def("signal_host", &kvstrata::signal_host,
+        "After the work enqueued so far on stream, store value (64-bit) at dev_word, a mapped host word's "
+        "device pointer", py::arg("dev_word"), py::arg("value"), py::arg("device"), py::arg("stream"));
   m.def("host_register", &kvstrata::host_register,
         "Pin (cudaHostRegister, portable + mapped) a host range once; returns its device pointer", py::arg("ptr"),
         py::arg("size"), py::arg("device"));

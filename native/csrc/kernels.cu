@@ -267,6 +267,25 @@ void memcpy2d_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t st
   }
 }
 
+namespace {
+
+__global__ void signal_host_kernel(volatile unsigned long long* word, unsigned long long value) {
+  // Everything before this kernel on the stream has finished (stream order); make that visible to the
+  // host before the word that announces it.
+  __threadfence_system();
+  *word = value;
+  __threadfence_system();
+}
+
+}  // namespace
+
+void signal_host(uintptr_t dev_word, uint64_t value, int device, uintptr_t stream) {
+  check(cudaSetDevice(device), "cudaSetDevice");
+  signal_host_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<volatile unsigned long long*>(dev_word), static_cast<unsigned long long>(value));
+  check(cudaGetLastError(), "launch of the host-signal kernel");
+}
+
 uintptr_t host_register(uintptr_t ptr, size_t size, int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
   cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(ptr), size,
@@ -274,7 +293,7 @@ uintptr_t host_register(uintptr_t ptr, size_t size, int device) {
   if (err == cudaErrorHostMemoryAlreadyRegistered) {
     cudaGetLastError();  // clear the sticky-free error: already pinned is what we want
   } else {
-    check(err, "cudaHostRegister of the L1 pool");
+    check(err, "cudaHostRegister");
   }
   return host_device_pointer(ptr, device);
 }

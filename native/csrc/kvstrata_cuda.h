@@ -53,6 +53,11 @@ void memcpy_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t stre
 // (cudaMemcpy2DAsync for height > 1), so equally spaced ranges cost one job instead of one each.
 void memcpy2d_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t stream);
 
+// After everything enqueued so far on `stream`, store `value` at `dev_word` (the device pointer of a
+// mapped host word): the GPU announces a transfer's end to a host that polls memory, with no host thread
+// between the copy's end and the announcement.
+void signal_host(uintptr_t dev_word, uint64_t value, int device, uintptr_t stream);
+
 uintptr_t host_register(uintptr_t ptr, size_t size, int device);
 uintptr_t host_device_pointer(uintptr_t ptr, int device);
 void host_unregister(uintptr_t ptr);

@@ -59,6 +59,9 @@ def test_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
         cache.poison(src)  # the source is gone; only the L1 copy can fill the destinations
 
         per_width = {}
+        signals = client.server_info()["gpu_signals"]
+        mailbox = worker.client.transport.mailbox
+        mail_taken = mailbox.taken
         for i, width in enumerate([0] + WIDTHS):
             rid = f"{fmt}-{dtype}-w{width}"
             key = CacheKey.for_tokens(rid, prompt, model=fmt)
@@ -78,7 +81,12 @@ def test_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
         for width in WIDTHS:  # the knob changes when bytes arrive, not which
             for layer in range(cache.num_layers):
                 assert per_width[width][layer].equal(per_width[0][layer]), (width, layer)
-        assert client.server_info()["l1"]["locked_objects"] == 0
+        info = client.server_info()
+        assert info["l1"]["locked_objects"] == 0
+        # Every retrieve's end was stored by the GPU itself (board word, or the chunk-major mailbox), and
+        # the reads above, enqueued the moment the engine learned of it, already saw every byte.
+        assert info["gpu_signals"] == signals + 1 + len(WIDTHS), info["gpu_signals"] - signals
+        assert mailbox.taken > mail_taken, "the chunk-major retrieve was not resolved from the mailbox"
     finally:
         worker.close()
         client.unregister_kv_cache(iid)
