@@ -170,14 +170,14 @@ def install_tracing(path: str) -> None:
     idle_events: dict[int, dict[str, Any]] = {}
     orig_completion = cuda_target.CudaIpcTarget.completion
 
-    def completion(self: Any) -> Any:
+    def completion(self: Any, *args: Any, **kwargs: Any) -> Any:
         # when each stream goes idle after everything the transfer enqueued, its event records included
         # (recorded before the completion's own event, so that event's wait covers them)
         idle = {name: torch.cuda.Event(enable_timing=True) for name in ("kernel", "copy")}
         idle["kernel"].record(self.engine.stream)
         if self.engine.copy_stream is not None:
             idle["copy"].record(self.engine.copy_stream)
-        done = orig_completion(self)
+        done = orig_completion(self, *args, **kwargs)
         idle_events[id(done)] = {"idle": idle, "copy_stream": self.engine.copy_stream is not None}
         return done
 
@@ -338,6 +338,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     spin_until_settled(worker, rid)
                     worker.wait_all()
                     rec = worker.records.pop(rid)
+                    if rec.failure:
+                        raise RuntimeError(f"retrieve {rid} failed: {rec.failure}")
                     if rep == 0:
                         continue
                     t0 = rec.submitted_at
