@@ -420,9 +420,6 @@ class CudaTransferEngine:
                        else pinned_device_pointer(p, self.index, self.ext))
         return dev, host, tokens
 
-    def record(self, event: Any) -> None:
-        event.record(self.stream)
-
     def synchronize(self) -> None:
         """Block until every copy enqueued so far, on both streams, is complete."""
         if self.copy_stream is not None:

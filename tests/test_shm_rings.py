@@ -24,7 +24,7 @@ from kvstrata.core.transport import Client, Deferred, RemoteError, Server, _Peer
 from kvstrata.core.worker import LayerwiseWorker
 
 from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
-from test_transport import handler_of_arity
+from test_transport import handler_of_arity, started_server
 
 
 @pytest.fixture
@@ -99,13 +99,20 @@ def test_attach_refuses_what_is_not_a_kvstrata_ring():
         ring.destroy()
 
 
+def ring_only_client(address: str) -> Client:
+    """A client with rings whose I/O thread is parked and whose socket is never drained: only its reply
+    ring (and mailbox) can resolve a request."""
+    client = Client(address, default_timeout=10)
+    assert client.attach_rings()
+    client._stop.set()
+    client._thread.join(timeout=5)
+    client._sock._drain = lambda: None
+    return client
+
+
 def test_a_polling_client_gets_replies_from_the_ring_alone(server):
-    client = Client(server.address, default_timeout=10)
+    client = ring_only_client(server.address)
     try:
-        assert client.attach_rings()
-        client._stop.set()  # park the I/O thread, and never drain the socket: only the ring can resolve now
-        client._thread.join(timeout=5)
-        client._sock._drain = lambda: None
         for i in range(20):
             fut = client.submit(RequestType.PING, [])
             deadline = time.monotonic() + 5
@@ -118,12 +125,8 @@ def test_a_polling_client_gets_replies_from_the_ring_alone(server):
 
 
 def test_error_replies_come_through_the_ring_too(server):
-    client = Client(server.address, default_timeout=10)
+    client = ring_only_client(server.address)
     try:
-        assert client.attach_rings()
-        client._stop.set()
-        client._thread.join(timeout=5)
-        client._sock._drain = lambda: None
         fut = client.submit_unchecked(RequestType.LOOKUP, ["not a key"])
         deadline = time.monotonic() + 5
         while not fut.done() and time.monotonic() < deadline:
@@ -345,8 +348,9 @@ class DeviceStandIn:
     """RETRIEVE as a device target would serve it: fill a mailbox slot, have a "device" thread store the
     request id in it after ``announce_s``, and report the copies done only ``ready_s`` later."""
 
-    def __init__(self, server: Server, announce_s: float, ready_s: float) -> None:
-        self.server, self.announce_s, self.ready_s = server, announce_s, ready_s
+    def __init__(self, announce_s: float, ready_s: float) -> None:
+        self.server: Server | None = None
+        self.announce_s, self.ready_s = announce_s, ready_s
         self.ready_at: list[float] = []
 
     def retrieve(self, *payload: Any) -> Deferred:
@@ -369,13 +373,8 @@ class DeviceStandIn:
 
 
 def test_a_polling_client_resolves_a_transfer_from_the_mailbox_before_the_server_answers():
-    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-rings-')}/s", transfer_threads=2)
-    device = DeviceStandIn(server, announce_s=0.05, ready_s=0.5)
-    for rt, decl in DECLARATIONS.items():
-        if rt not in TRANSPORT_REQUESTS:
-            server.register(rt, handler_of_arity(decl.arity, device.retrieve if rt == RequestType.RETRIEVE
-                                                 else (lambda *a: {})))
-    server.start()
+    device = DeviceStandIn(announce_s=0.05, ready_s=0.5)
+    server = device.server = started_server(device.retrieve, transfer_threads=2)
     server.enable_busy_poll(spin_watching_words, 50.0)
     client = Client(server.address, default_timeout=10)
     try:

@@ -405,15 +405,20 @@ def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(
     assert transfers.settled_early == [4]  # settled in the handler's thread right away, waiting there
 
 
+def started_server(retrieve: Any, transfer_threads: int = 1) -> Server:
+    """A started server whose RETRIEVE is ``retrieve`` and whose other handlers answer ``{}``."""
+    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=transfer_threads)
+    for rt, decl in DECLARATIONS.items():
+        if rt not in TRANSPORT_REQUESTS:
+            server.register(rt, handler_of_arity(decl.arity, retrieve if rt == RequestType.RETRIEVE
+                                                 else (lambda *a: {})))
+    server.start()
+    return server
+
+
 def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
     transfers = DeviceTransfers(delay=0.3)
-    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=1)
-    for rt, decl in DECLARATIONS.items():
-        if rt in TRANSPORT_REQUESTS:
-            continue
-        server.register(rt, handler_of_arity(decl.arity, transfers.retrieve if rt == RequestType.RETRIEVE
-                                             else (lambda *a: {})))
-    server.start()
+    server = started_server(transfers.retrieve)
     server.enable_busy_poll(python_busy_wait, 5.0)
     client = Client(server.address, default_timeout=10)
     try:
