@@ -84,7 +84,8 @@ class CacheClient:
         payload = build_retrieve_payload(
             key, instance_id, block_ids, skip_first_n_tokens=skip_first_n_tokens, event_handle=event_handle,
             arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_stage=layers_per_stage)
-        return self.transport.submit(RequestType.RETRIEVE, payload, validate=False)  # as for STORE
+        # as for STORE; a chunk-major retrieve's end may be announced in the mailbox (layer-major: the board)
+        return self.transport.submit(RequestType.RETRIEVE, payload, validate=False, mailbox=arrival_board is None)
 
     def retrieve(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
                  **kw: Any) -> dict[str, Any]:

@@ -828,13 +828,15 @@ class Client:
         self._replies: SlotRing | None = None
         self._requests: SlotRing | None = None
         self._mailbox: Mailbox | None = None
+        self._mail_wanted: set[int] = set()
+        """Pending requests whose reply the server may announce in the mailbox (guarded by the pending lock)."""
         self._replies_lock = threading.Lock()  # one reader at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
         self._thread.start()
 
     def submit(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...], *,
-               validate: bool = True) -> Future:
+               validate: bool = True, mailbox: bool = False) -> Future:
         """Send a request and return a future for its value (RemoteError on an error reply).
 
         The payload is validated here too, so a caller bug fails in the caller with
@@ -842,11 +844,15 @@ class Client:
         payloads a typed builder made (``CacheClient``'s transfer calls): the server
         still checks them and answers a bad one with an error naming the item, and
         the check stays off the engine thread's path to the first slice.
+        ``mailbox``: the server may announce this request's reply in the mailbox
+        (a chunk-major RETRIEVE), so :meth:`poll` looks there while it is pending.
         """
         payload = list(payload)
         if validate:
             DECLARATIONS[request_type].validate(payload)
-        return self.submit_unchecked(request_type, payload)
+        fut: Future = Future()
+        self._send_request(request_type, payload, fut, mailbox)
+        return fut
 
     def submit_unchecked(self, request_type: RequestType | int, payload: Any) -> Future:
         """Send without local validation (tests use this to probe the server's checks)."""
@@ -854,7 +860,8 @@ class Client:
         self._send_request(request_type, payload, fut)
         return fut
 
-    def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None) -> None:
+    def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None,
+                      mailbox: bool = False) -> None:
         with self._send_lock:
             if self._closed:
                 raise RuntimeError("transport is closed")
@@ -863,6 +870,8 @@ class Client:
             if fut is not None:
                 with self._pending_lock:
                     self._pending[rid] = (request_type, fut)
+                    if mailbox and self._mailbox is not None:
+                        self._mail_wanted.add(rid)
             if self._requests is not None:
                 self._requests.post(frame)  # first: the server's spin may take it from there
             self._sock.send([frame])
@@ -951,7 +960,7 @@ class Client:
             return  # no ring, or another thread is reading it now
         try:
             # replies the GPU announced itself first: the ring may hold later copies of the same
-            frames = self._mailbox.scan(self._pending) if self._mailbox is not None and self._pending else []
+            frames = self._mailbox.scan(self._mail_wanted) if self._mailbox is not None and self._mail_wanted else []
             if self._replies is not None:
                 frames += self._replies.take()
         finally:
@@ -977,12 +986,14 @@ class Client:
             for rid, (_, f) in list(self._pending.items()):
                 if f is fut:
                     del self._pending[rid]
+                    self._mail_wanted.discard(rid)
 
     def fail_pending(self, reason: str) -> None:
         """Fail every outstanding future (used when the peer is known to be gone)."""
         with self._pending_lock:
             pending = list(self._pending.values())
             self._pending.clear()
+            self._mail_wanted.clear()
         for rt, fut in pending:
             if not fut.done():
                 fut.set_exception(RemoteError(f"{RequestType(rt).name if isinstance(rt, int) else rt}: {reason}"))
@@ -1050,6 +1061,7 @@ class Client:
             return
         with self._pending_lock:
             entry = self._pending.pop(reply.request_id, None)
+            self._mail_wanted.discard(reply.request_id)
         if entry is None:
             return  # timed out earlier, or an error reply to a raw frame
         _, fut = entry

@@ -379,15 +379,19 @@ def test_a_polling_client_resolves_a_transfer_from_the_mailbox_before_the_server
     client = Client(server.address, default_timeout=10)
     try:
         assert client.attach_rings() and client.mailbox is not None
-        for i in range(3):
-            fut = client.submit(RequestType.RETRIEVE, [key(f"m{i}"), 0, [[0]], None, 0, None, None, 0])
+        for i in range(4):  # the last one is not marked as one the mailbox may announce
+            fut = client.submit(RequestType.RETRIEVE, [key(f"m{i}"), 0, [[0]], None, 0, None, None, 0],
+                                mailbox=i < 3)
             while not fut.done():
                 client.poll()
                 time.sleep(1e-4)
             resolved = time.perf_counter()
             assert fut.result() == {"retrieved_tokens": 3}
             time.sleep(0.6)  # let the server answer too: its copy must not resolve anything twice
-            assert resolved < device.ready_at[i], "resolved only once the server answered, not from the mailbox"
+            if i < 3:
+                assert resolved < device.ready_at[i], "resolved once the server answered, not from the mailbox"
+            else:
+                assert resolved >= device.ready_at[i], "the mailbox was read for a request not marked for it"
         assert client.mailbox.taken == 3
         peer = next(iter(server._peers.values()))
         assert len(peer.mail_free) == peer.mailbox.slots  # every slot back once its reply went out
