@@ -152,13 +152,19 @@ class SlotRing:
                 return False
             sequence = self._next
             self._next += 1
-            word, start = self._slot(sequence)
-            self._words[word] = 0  # readers skip the slot while it is rewritten
-            self._words[word + 1] = n
-            self._buf[start:start + n] = frame
+            word = self._write_slot(sequence, frame)
             self._words[word] = sequence  # published last
             self.posted += 1
         return True
+
+    def _write_slot(self, sequence: int, frame: bytes) -> int:
+        """Write ``frame`` into the slot of ``sequence`` with its word at 0 (readers skip it); returns the
+        word's index, for the caller (or a device) to publish."""
+        word, start = self._slot(sequence)
+        self._words[word] = 0
+        self._words[word + 1] = len(frame)
+        self._buf[start:start + len(frame)] = frame
+        return word
 
     # --- reader -------------------------------------------------------------------------
 
@@ -179,13 +185,19 @@ class SlotRing:
             word, start = self._slot(expected)
             sequence = int(self._words[word])
             if sequence == expected:
-                n = int(self._words[word + 1])
-                frame = bytes(self._buf[start:start + min(n, self.capacity)])
-                if int(self._words[word]) == expected and n <= self.capacity:
+                frame = self._read_slot(word, start, expected)
+                if frame is not None:
                     return frame
             elif sequence < expected:
                 return None  # not written yet (0: being written)
             self._resync()
+
+    def _read_slot(self, word: int, start: int, value: int) -> bytes | None:
+        """The slot's frame, if its word held ``value`` before and still does after the copy (else it was
+        being rewritten, or is corrupt)."""
+        n = int(self._words[word + 1])
+        frame = bytes(self._buf[start:start + min(n, self.capacity)])
+        return frame if int(self._words[word]) == value and n <= self.capacity else None
 
     def advance(self) -> None:
         """Consume the frame :meth:`peek` returned."""
@@ -233,7 +245,7 @@ class Mailbox(SlotRing):
     The client creates it beside its rings. When the server enqueues a transfer
     for it, it writes the transfer's success reply into a free slot with the word
     at 0, then has the GPU store the request's id in that word once the copies
-    have finished (``CudaIpcTarget.signal_when_done``). The client's poll finds
+    have finished (``Target.completion(signals=...)``). The client's poll finds
     the id among its pending requests and resolves the reply then, with no host
     thread between the copy's end and the engine. The usual reply follows over
     the ring and ZMQ, and whichever copy comes first resolves the request; the
@@ -248,10 +260,7 @@ class Mailbox(SlotRing):
         """Writer: put a reply frame in slot ``index``, its word cleared (the device sets it later)."""
         if len(frame) > self.capacity or self._closed:
             return False
-        word, start = self._slot(index + 1)
-        self._words[word] = 0
-        self._words[word + 1] = len(frame)
-        self._buf[start:start + len(frame)] = frame
+        self._write_slot(index + 1, frame)
         return True
 
     def scan(self, wanted: Any) -> list[bytes]:
@@ -265,10 +274,8 @@ class Mailbox(SlotRing):
             value = int(words[index])
             if value not in wanted:
                 continue
-            word, start = self._slot(int(index) + 1)
-            n = int(self._words[word + 1])
-            frame = bytes(self._buf[start:start + min(n, self.capacity)])
-            if int(self._words[word]) == value and n <= self.capacity:
+            frame = self._read_slot(*self._slot(int(index) + 1), value)
+            if frame is not None:
                 out.append(frame)
         self.taken += len(out)
         return out

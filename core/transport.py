@@ -569,9 +569,7 @@ class Server:
             try:
                 self._send(identity, self._settle(request, deferred))
             finally:
-                self._free_mail(deferred.mail)
-                with self._work:
-                    self._blocking_running -= 1
+                self._end_blocking(deferred.mail)
         if not self._awaiting:
             self._watch_events = True  # whatever made a watched event fail has been settled
 
@@ -703,9 +701,13 @@ class Server:
             self._send(identity, reply)
         finally:
             if not deferred:
-                self._free_mail(mail)
-                with self._work:
-                    self._blocking_running -= 1
+                self._end_blocking(mail)
+
+    def _end_blocking(self, mail: MailSlot | None) -> None:
+        """A blocking request has been answered: its mailbox slot and its transfer slot are free."""
+        self._free_mail(mail)
+        with self._work:
+            self._blocking_running -= 1
 
     def _send(self, identity: bytes, reply: bytes) -> None:
         assert self._sock is not None
@@ -863,8 +865,7 @@ class Client:
     def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None,
                       mailbox: bool = False) -> None:
         with self._send_lock:
-            if self._closed:
-                raise RuntimeError("transport is closed")
+            self._check_open()
             rid = next(self._ids)
             frame = codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload])
             if fut is not None:
@@ -888,13 +889,14 @@ class Client:
 
     def send_raw(self, frame: bytes) -> None:
         """Send an arbitrary frame (for robustness tests); any reply is dropped unless it matches a future."""
-        self._send(frame)
+        with self._send_lock:
+            self._check_open()
+            self._sock.send([frame])
+        self._resolve_inbox()  # replies this send drained are ours to resolve (see SharedSocket)
 
-    def _send(self, frame: bytes) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("transport is closed")
-        self._sock.send([frame])
-        self._resolve_inbox()  # replies this send drained are ours to resolve (see SharedSocket)
 
     def poll(self) -> None:
         """Resolve whatever replies have arrived, on the calling thread, without waiting.

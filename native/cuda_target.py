@@ -220,10 +220,10 @@ class CudaIpcTarget:
 
     def _device_word(self, segment: Segment, offset: int) -> int:
         """The device address of a word in a shared-memory segment, registering the segment on first use."""
+        if not segment.address or not 0 <= offset <= segment.size - 8:
+            raise ValueError(f"cannot signal at offset {offset} of segment {segment.name}")
         base = self._host_segments.get(segment.name)
         if base is None:
-            if not segment.address or not 0 <= offset <= segment.size - 8:
-                raise ValueError(f"cannot signal at offset {offset} of segment {segment.name}")
             addr, size = segment.address, -(-segment.size // mmap.PAGESIZE) * mmap.PAGESIZE
             ext = self.engine.ext
             base = pin_host_range(addr, size, self.index, ext, what=f"segment {segment.name}")
