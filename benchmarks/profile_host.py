@@ -59,17 +59,12 @@ def main() -> int:
     engine = CudaTransferEngine(layout, cache.region_tensors(), store.pool, 0)
     dst = list(range(nb, 2 * nb))
 
-    def first_slice(eng: Any = engine, objects: list[Any] = objs, blocks: list[int] = dst, width: int = args.width,
-                    enqueue: bool = True) -> None:
-        copies = planner.plan_copies([o.num_tokens for o in objects], args.chunk, 0, 0)
-        job = planner.TransferJob(eng.layout, [blocks], copies)
-        ex = eng.pool_executor([(o.offset, o.num_tokens) for o in objects])
-        if enqueue:
-            ex.scatter(job, 0, width)
-            ex.close()
-        else:
-            ex._bind(job)
-            ex._back_to_back_template(job, width, True)
+    def first_slice() -> None:
+        copies = planner.plan_copies([o.num_tokens for o in objs], args.chunk, 0, 0)
+        job = planner.TransferJob(layout, [dst], copies)
+        ex = engine.pool_executor([(o.offset, o.num_tokens) for o in objs])
+        ex.scatter(job, 0, args.width)
+        ex.close()
 
     for _ in range(10):
         first_slice()
@@ -80,26 +75,11 @@ def main() -> int:
         store.close()
         return 0
     if args.idle_study:
-        # Rehearsals: a one-chunk, one-layer transfer every millisecond of the spin, on this engine, on a
-        # scratch engine of its own (what a server could run beside the engine's cache), or planned only.
-        scratch = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
-                             num_blocks=2 * (args.chunk // 16) + 2, block_size=16)
-        scratch_store = L1Store(scratch.layout.object_bytes(args.chunk) + (8 << 20))
-        s_obj = scratch_store.reserve(b"s" * 16, args.chunk, scratch.layout.object_bytes(args.chunk),
-                                      scratch.layout.shape_signature())
-        scratch_store.commit(s_obj)
-        scratch_engine = CudaTransferEngine(scratch.layout, scratch.region_tensors(), scratch_store.pool, 0)
-        rehearsals = {
-            "same": lambda: first_slice(engine, objs[:1], dst, 1),
-            "scratch": lambda: first_slice(scratch_engine, [s_obj], list(range(args.chunk // 16)), 1),
-            "plan_only": lambda: (first_slice(enqueue=False), engine.stream.query()),
-        }
-        gaps = ("back_to_back", "sleep_20ms", "spin_20ms", "spin_20ms_stream_query", "sleep_20ms_then_query",
-                "spin_20ms_rehearse_same", "spin_20ms_rehearse_scratch", "spin_20ms_rehearse_plan_only")
+        gaps = ("back_to_back", "sleep_20ms", "spin_20ms", "spin_20ms_stream_query", "sleep_20ms_then_query")
         times: dict[str, list[tuple[float, float]]] = {gap: [] for gap in gaps}
         for _ in range(args.reps):  # the gaps interleaved, so that a drift of the machine hits them all alike
             for gap in gaps:
-                idle(gap, engine.stream, rehearsals.get(gap.rsplit("rehearse_", 1)[-1]))
+                idle(gap, engine.stream)
                 t, c = time.perf_counter(), time.thread_time()
                 first_slice()
                 times[gap].append(((time.perf_counter() - t) * 1e6, (time.thread_time() - c) * 1e6))
@@ -108,8 +88,6 @@ def main() -> int:
             wall, cpu = sorted(w for w, _ in times[gap]), sorted(c for _, c in times[gap])
             print(f"idle study, {gap}: first slice (width {args.width}) wall median {wall[len(wall) // 2]:.1f} us, "
                   f"p90 {wall[len(wall) * 9 // 10]:.1f} us, thread CPU median {cpu[len(cpu) // 2]:.1f} us")
-        scratch_engine.close()
-        scratch_store.close()
         engine.close()
         store.close()
         return 0
@@ -131,14 +109,12 @@ def main() -> int:
     return 0
 
 
-def idle(gap: str, probe: torch.cuda.Stream, rehearse: Any = None) -> None:
+def idle(gap: str, probe: torch.cuda.Stream) -> None:
     """Spend what a server spends between transfers, as ``gap`` names it (``back_to_back``: nothing).
 
     ``sleep_20ms`` sleeps; ``spin_20ms`` spins in Python; ``..._stream_query`` queries
     ``probe`` while spinning (keeps the CUDA driver's path warm, as a polling server
-    can); ``..._then_query`` makes one query after sleeping (is a single touch enough?);
-    ``spin_20ms_rehearse_*`` calls ``rehearse`` every millisecond of the spin (does
-    running the path keep it warm?).
+    can); ``..._then_query`` makes one query after sleeping (is a single touch enough?).
     """
     if gap.startswith("sleep_20ms"):
         time.sleep(0.02)
@@ -147,13 +123,9 @@ def idle(gap: str, probe: torch.cuda.Stream, rehearse: Any = None) -> None:
     elif gap.startswith("spin_20ms"):
         end = time.perf_counter() + 0.02
         query = gap.endswith("stream_query")
-        next_rehearsal = time.perf_counter()
         while time.perf_counter() < end:
             if query:
                 probe.query()
-            if rehearse is not None and time.perf_counter() >= next_rehearsal:
-                rehearse()
-                next_rehearsal = time.perf_counter() + 0.001
     elif gap != "back_to_back":
         raise ValueError(f"unknown idle gap {gap!r}")
 

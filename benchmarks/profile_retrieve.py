@@ -43,14 +43,11 @@ def install_tracing(path: str) -> None:
     lock = threading.Lock()
     pending: list[tuple[float, Any, list[Any]]] = []
     held: list[tuple[float, str, float | None]] = []
-    rehearsing = threading.local()  # the server's keep-warm rehearsals run the traced steps too: not marked
 
     def mark(name: str, t: float | None = None) -> None:
         # In memory: a write per mark would release the GIL and wake other threads,
         # perturbing exactly what is measured. Written out after each reply (flush).
         # With the thread's CPU time: where wall time outruns it, the thread waited.
-        if getattr(rehearsing, "on", False):
-            return
         held.append((time.perf_counter() if t is None else t, name, time.thread_time() if t is None else None))
 
     def flush() -> None:
@@ -138,8 +135,6 @@ def install_tracing(path: str) -> None:
     orig_scatter = cuda_executor.CudaExecutor.scatter
 
     def scatter(self: Any, job: Any, layer_start: int, layer_count: int) -> None:
-        if getattr(rehearsing, "on", False):
-            return orig_scatter(self, job, layer_start, layer_count)
         stream = self.engine.stream
         if not getattr(self, "_trace", None):
             ev0 = torch.cuda.Event(enable_timing=True)
@@ -154,18 +149,6 @@ def install_tracing(path: str) -> None:
         self._trace[2].append(ev)
 
     cuda_executor.CudaExecutor.scatter = scatter
-    from kvstrata.native import warm_path
-
-    orig_rehearse = warm_path.WarmPath.rehearse
-
-    def rehearse(self: Any) -> None:
-        rehearsing.on = True
-        try:
-            orig_rehearse(self)
-        finally:
-            rehearsing.on = False
-
-    warm_path.WarmPath.rehearse = rehearse  # type: ignore[method-assign]
 
     idle_events: dict[int, dict[str, Any]] = {}
     orig_completion = cuda_target.CudaIpcTarget.completion

@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab", action="append", default=[], metavar="NAME=SETTING",
                    help="also run the primary mode's server phase as variant NAME, right after it on the same "
                         "machine: SETTING is server arguments (starting with --) or VAR=VALUE environment "
-                        "settings, space separated; e.g. --ab 'keep_warm=--keep-warm-ms 1' "
+                        "settings, space separated; e.g. --ab 'poll_5=--busy-poll-ms 5' "
                         "--ab no_defer=KVSTRATA_DEFERRED_REPLIES=0 (repeatable)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)

@@ -327,18 +327,12 @@ class Server:
         self._busy_wait: BusyWait | None = None
         self._busy_window_s = 0.0
         self._last_request = 0.0
-        self._keep_warm: Callable[[], None] | None = None
-        self._warm_every_s = 0.0
-        self._next_warm = 0.0
-        self._warm_body: bytes | None = None  # the latest blocking request, decoded again by each rehearsal
         self._awaiting: list[tuple[bytes, codec.Request, Deferred]] = []
         """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
         self._awaiting_lock = threading.Lock()
         self._watch_events = True  # off while transfers whose event failed to be watched are in flight
         self._defer_replies = os.environ.get("KVSTRATA_DEFERRED_REPLIES", "1") != "0"
         """KVSTRATA_DEFERRED_REPLIES=0: a handler's own thread settles its Deferred (as without busy polling)."""
-        self.rehearsals = 0
-        """Keep-warm rounds run so far (see :meth:`enable_busy_poll`)."""
         self._local = threading.local()  # .holds_turn: this thread is the leader
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         """Clients that attached rings, by ZMQ identity (see ATTACH_RINGS)."""
@@ -346,31 +340,20 @@ class Server:
         self.ring_requests = 0
         """Requests served from a client's request ring, ahead of their ZMQ copy."""
 
-    def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float, *,
-                         keep_warm: Callable[[], None] | None = None, keep_warm_every_ms: float = 1.0) -> None:
+    def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float) -> None:
         """After each request, have the waiting thread poll without sleeping for ``window_ms``.
 
         The next request of a burst (a LOOKUP's RETRIEVE, the next transfer) is
         then taken at once rather than after the 0.1 to 0.5 ms a sleeping thread
         needs to wake on a virtual machine. Costs up to one core while the window
         lasts; the spinning happens outside the GIL, so handlers run undisturbed.
-
-        ``keep_warm``: inside the window, every ``keep_warm_every_ms`` without a
-        request, the polling thread decodes the latest blocking request again and
-        calls ``keep_warm`` (the server rehearses a scratch transfer), so that the
-        next request's path is still in the core's caches when it arrives. A request
-        that arrives meanwhile waits for the rehearsal to end.
         """
         if window_ms < 0:
             raise ValueError(f"window_ms must be >= 0, got {window_ms}")
-        if keep_warm is not None and keep_warm_every_ms <= 0:
-            raise ValueError(f"keep_warm_every_ms must be positive, got {keep_warm_every_ms}")
         self._busy_wait = busy_wait
         if self._sock is not None:
             self._sock.busy_wait = busy_wait
         self._busy_window_s = window_ms / 1e3
-        self._keep_warm = keep_warm
-        self._warm_every_s = keep_warm_every_ms / 1e3
 
     def register(self, request_type: RequestType, handler: Handler) -> None:
         """Register a handler; raises ProtocolError if its arity differs from the declaration."""
@@ -504,7 +487,7 @@ class Server:
 
     def _wait(self, sock: SharedSocket) -> None:
         """Wait for the socket as the leader: spin inside the busy window (or while replies are deferred),
-        rehearsing when due, else sleep."""
+        else sleep."""
         now = time.monotonic()
         spin_s = self._last_request + self._busy_window_s - now
         awaiting = self._awaiting
@@ -516,11 +499,6 @@ class Server:
         if spin_s <= 0:
             sock.wait(_POLL_MS)
             return
-        if self._keep_warm is not None:
-            if now >= self._next_warm:
-                self._rehearse()
-                return
-            spin_s = min(spin_s, self._next_warm - now)
         handles = [d.wait_handle for _, _, d in awaiting]
         watch = bool(handles) and all(handles) and self._watch_events
         words = [p.requests.watch() for p in list(self._peers.values())
@@ -572,22 +550,6 @@ class Server:
                 self._end_blocking(deferred.mail)
         if not self._awaiting:
             self._watch_events = True  # whatever made a watched event fail has been settled
-
-    def _rehearse(self) -> None:
-        """One keep-warm round (see :meth:`enable_busy_poll`); a failing rehearsal turns keeping warm off."""
-        try:
-            body = self._warm_body
-            if body is not None:
-                request = codec.decode_request(body)
-                DECLARATIONS[request.request_type].validate(request.payload)
-            if self._keep_warm is not None:
-                self._keep_warm()
-                self.rehearsals += 1
-        except Exception as exc:
-            log.warning("keeping the transfer path warm failed and is now off: %s", exc,
-                        exc_info=log.isEnabledFor(logging.DEBUG))
-            self._keep_warm = None
-        self._next_warm = time.monotonic() + self._warm_every_s
 
     def release_turn(self) -> None:
         """Let the next thread wait on the socket, if this thread holds the turn (else nothing).
@@ -666,14 +628,9 @@ class Server:
             self._count(False)
             return None
         identity, body = frames
-        keep_warm = self._keep_warm is not None
-        if keep_warm:
-            self._next_warm = self._last_request + self._warm_every_s  # a request warms the path itself
         try:
             request = codec.decode_request(body)
             DECLARATIONS[request.request_type].validate(request.payload)
-            if keep_warm and DECLARATIONS[request.request_type].blocking:
-                self._warm_body = body
         except (codec.DecodeError, ProtocolError) as exc:
             self._count(False)
             rid = codec.peek_request_id(body)

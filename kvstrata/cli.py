@@ -51,10 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a GPU cache registered, keep polling the socket without sleeping this long after "
                         "each request, so the next one is taken at once (about one core while it lasts; 0 = off; "
                         "default 25)")
-    s.add_argument("--keep-warm-ms", type=float, default=0.0,
-                   help="inside that window, rehearse a scratch one-block transfer on the GPU this often, so the "
-                        "next transfer's host path is still in the CPU caches (default 0 = off: measured on an "
-                        "H200, it delayed transfers in flight more than it sped up the next one)")
     s.add_argument("--allow-remote", action="store_true",
                    help="allow binding a non-loopback TCP address (off by default: the protocol has no auth)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -75,8 +71,7 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
-                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
-                          keep_warm_ms=args.keep_warm_ms)
+                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms)
     log.info("starting with %s", config)
     server = CacheServer(config)
     stop = threading.Event()

@@ -33,7 +33,6 @@ from kvstrata.core.targets import HostSignal
 
 from . import cuda_ipc
 from .cuda_executor import CudaTransferConfig, CudaTransferEngine, pin_host_range, unpin_host_range
-from .warm_path import WarmPath
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,6 @@ class CudaIpcTarget:
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
-        self._warm_path: WarmPath | None = None  # built by enable_keep_warm(), when the server keeps warm
         self._signals_on = self.enqueues and getattr(self.engine.ext, "signal_host", None) is not None
         self.signals = 0
         """Host words the GPU was asked to store at transfer ends (server_info's ``gpu_signals``)."""
@@ -95,28 +93,6 @@ class CudaIpcTarget:
         if spin is None:
             return None
         return functools.partial(spin, warm_stream=self.engine.stream.cuda_stream)
-
-    def enable_keep_warm(self) -> None:
-        """Build the scratch transfer :meth:`keep_warm` rehearses (a pinned object and a one-block cache).
-
-        Called at registration by a server that keeps warm; others pay nothing for it.
-        Without the extension, or if it cannot be built (logged), keep_warm() does nothing.
-        """
-        if self._warm_path is not None or not self.native_available:
-            return
-        try:
-            self._warm_path = WarmPath(self.layout, self.index, self.engine.config)
-        except Exception as exc:  # an optimisation only: transfers work without it
-            log.warning("CUDA target on %s: no scratch transfer to keep the host path warm (%s)", self.device, exc)
-
-    def keep_warm(self) -> None:
-        """Rehearse a one-block transfer on this target's scratch cache (see :mod:`.warm_path`).
-
-        The server calls it while it idles in its busy-poll window, so that the next
-        retrieve's first slice finds the host path in the core's caches.
-        """
-        if self._warm_path is not None:
-            self._warm_path.rehearse()
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -246,9 +222,6 @@ class CudaIpcTarget:
             self._event_stream.synchronize()
         except RuntimeError as exc:  # a dead engine process can leave the context unusable
             log.warning("CUDA target on %s: final synchronize failed: %s", self.device, exc)
-        if self._warm_path is not None:
-            self._warm_path.close()
-            self._warm_path = None
         self.engine.close()
         self._event_lists.clear()
         self._events.clear()
