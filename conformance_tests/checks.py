@@ -66,37 +66,25 @@ def read_every_layer(rig: Rig, r: Retrieval, context: str) -> None:
 RELEASE_TIMEOUT = 10.0
 BLOCKED_FOR = 0.4
 """How long a wait for a layer that has not landed must stay blocked to count as waiting."""
-ATTEMPTS = 3
 
 
 def catch_in_flight(rig: Rig, prompt: list[int], width: int = 1):
-    """Submit with the reply held, wait for the release, pause the server: (retrieval, layers landed).
-
-    Retries when the whole transfer landed before the pause could catch it; an
-    adapter that releases only after the last layer does so every time.
-    """
+    """Submit with the reply held and the transfer held after its first slice; wait for the release:
+    (retrieval, layers landed). The server goes on only at ``rig.resume(r)``, so the transfer is in flight
+    for as long as the test needs, whatever the machine's speed."""
     n = rig.layout.num_layers
-    seen = []
-    for _ in range(ATTEMPTS):
-        r = rig.submit(prompt, width, hold_reply=True)
-        if not rig.wait_released(r, RELEASE_TIMEOUT):
-            progress = rig.board_progress(r)
-            landed = f"{progress.layers} of {n}" if progress else "an unknown number of"
-            broken("early-release",
-                   f"request {r.request_id} was not released within {RELEASE_TIMEOUT:.0f}s while the suite held "
-                   f"back its RETRIEVE reply, although {landed} layers had landed: the adapter waits for the "
-                   "whole transfer instead of releasing on the first slice")
-        rig.pause_server()
-        progress = rig.board_progress(r)
-        require(progress is not None, "retrieve-payload",
-                f"the layer-major RETRIEVE of {r.request_id} named no readable arrival board")
-        if progress.layers < n and not progress.complete:
-            return r, progress.layers
-        seen.append(progress.layers)
-        rig.resume_server()
-        rig.proxy.release_replies(r.request_id)
-        rig.settle()
-        rig.free(r)
-    broken("early-release",
-           f"in {ATTEMPTS} attempts the adapter released the request only once all {n} layers had landed "
-           f"(layers landed at release: {seen}); it must release after the first slice")
+    r = rig.submit(prompt, width, hold_reply=True, hold_after_slices=1)
+    released = rig.wait_released(r, RELEASE_TIMEOUT)
+    progress = rig.board_progress(r)
+    require(progress is not None, "retrieve-payload",
+            f"the layer-major RETRIEVE of {r.request_id} named no readable arrival board")
+    if not released:
+        broken("early-release",
+               f"request {r.request_id} was not released within {RELEASE_TIMEOUT:.0f}s while the suite held "
+               f"back its RETRIEVE reply, although {progress.layers} of {n} layers had landed: the adapter waits "
+               "for the whole transfer instead of releasing on the first slice")
+    if progress.layers >= n or progress.complete:
+        broken("early-release",
+               f"the RETRIEVE of {r.request_id} moved all {n} layers in its first slice: the adapter did not ask "
+               f"for width {width}, so nothing could be released before the transfer ended")
+    return r, progress.layers

@@ -7,8 +7,10 @@ engine connector would call them: the engine side comes from
 (handed a client whose RETRIEVEs the adapter's payload hook builds), and
 release, per-layer wait and failure reports from ``kvstrata_poll_released``,
 ``kvstrata_wait_for_layer`` and ``kvstrata_take_failed``. The server is a real
-``kvstrata serve`` child process the rig can pause (SIGSTOP), resume and kill,
-which is how the suite catches a transfer in flight deterministically.
+``kvstrata serve`` child process with the test-only slice hold installed
+(``kvstrata.core.testing.slice_hold``): the rig holds a chosen retrieve after a
+chosen number of slices, lets it go on, or kills the server while it is held,
+which is how the suite catches a transfer in flight by construction.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import itertools
 import logging
 import os
 import random
-import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from kvstrata.core.keys import CacheKey
 from kvstrata.core.plugins import Adapter
 from kvstrata.core.protocol import RequestType
 from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.core.testing.slice_hold import SliceHold
 
 from .rules import broken, require
 from .wire import RecordingProxy, WireRequest
@@ -74,7 +77,8 @@ class Rig:
     # --- set-up and tear-down -----------------------------------------------------------
 
     def start(self) -> "Rig":
-        self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size).start()
+        self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
+        self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size, slice_hold=self.hold).start()
         self.proxy = RecordingProxy(self.server.address).start()
         self.engine = self.adapter.conformance_engine(self.spec)
         try:
@@ -110,33 +114,22 @@ class Rig:
         for board in self._boards.values():
             board.close()
         if self.server is not None:
-            self.resume_server()
+            self.hold.open_all()
             self.server.stop()
 
     # --- the server process ---------------------------------------------------------------
 
-    def pause_server(self) -> None:
-        """SIGSTOP the server and return only once it is really stopped.
+    def wait_held(self, r: Retrieval, timeout: float = 20.0) -> bool:
+        """True once the server holds ``r``'s transfer (see ``submit(hold_after_slices=...)``)."""
+        try:
+            self.hold.wait_held(r.request_id, timeout)
+            return True
+        except TimeoutError:
+            return False
 
-        kill() returns before the signal takes effect; a copy thread still
-        running in that window can publish more layers after the suite has read
-        the board, and the layer it then waits on has arrived after all (seen on
-        a loaded 2-core machine as a spurious "never reported" failure).
-        """
-        pid = self.server.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            if state in ("T", "t"):
-                return
-            time.sleep(0.001)
-        raise RuntimeError(f"the server process {pid} did not stop within 10 s of SIGSTOP")
-
-    def resume_server(self) -> None:
-        if self.server is not None and self.server.proc is not None and self.server.proc.poll() is None:
-            os.kill(self.server.proc.pid, signal.SIGCONT)
+    def resume(self, r: Retrieval) -> None:
+        """Let the server go on with ``r``'s held transfer."""
+        self.hold.open(r.request_id)
 
     def kill_server(self) -> None:
         self.server.kill()
@@ -144,7 +137,7 @@ class Rig:
     def restart_server(self) -> None:
         """A fresh server on the same address (the proxy reconnects); the cache is registered again."""
         self.server = ServerProcess(address=self.server.address, l1_bytes=self.l1_bytes,
-                                    chunk_size=self.chunk_size).start()
+                                    chunk_size=self.chunk_size, slice_hold=self.hold).start()
         self._stored.clear()
         self.register()
 
@@ -171,11 +164,11 @@ class Rig:
         return truth
 
     def submit(self, prompt: list[int], width: int, *, hold_reply: bool = False,
-               before_send: Callable[[], None] | None = None) -> Retrieval:
+               hold_after_slices: int | None = None) -> Retrieval:
         """LOOKUP then retrieve ``prompt`` into freshly cleared blocks through the adapter's worker.
 
-        ``before_send`` runs after the LOOKUP and right before the retrieve is
-        submitted (the failure tests pause the server there).
+        ``hold_reply``: the proxy holds back the RETRIEVE's reply. ``hold_after_slices``: the server holds
+        the transfer once it has published that many slices (0: before the first) until :meth:`resume`.
         """
         truth = self._stored.get(tuple(prompt)) or self.store(prompt)
         n = len(prompt)
@@ -191,8 +184,8 @@ class Rig:
                 "read the blocks it is given, so no byte check could fail")
         if hold_reply:
             self.proxy.hold_replies(rid)
-        if before_send is not None:
-            before_send()
+        if hold_after_slices is not None:
+            self.hold.hold(rid, after_slices=hold_after_slices)
         r = Retrieval(rid, prompt, truth, blocks, width, time.perf_counter())
         self.worker.submit_retrieve(rid, key, blocks, layers_per_stage=width)
         return r

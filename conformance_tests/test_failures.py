@@ -95,7 +95,9 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     prompt = rig.prompt()
     rig.store(prompt)
     mark = len(warning_log)
-    r = rig.submit(prompt, width=1, before_send=rig.pause_server)
+    r = rig.submit(prompt, width=1, hold_after_slices=0)
+    require(rig.wait_held(r), "retrieve-payload",
+            f"the server never started the transfer of {r.request_id}: it did not accept the adapter's RETRIEVE")
     rig.kill_server()
     what = "the server died before the first slice landed"
     deadline = time.monotonic() + RETRIEVE_TIMEOUT + SLACK
@@ -124,7 +126,7 @@ def test_slot_that_never_advances(make_rig: Callable[..., Rig], warning_log: lis
     wait_reported(rig, r, SLACK, what)
     require_logged(warning_log, mark, r, what)
     # The server comes back and finishes late: the transfer settles, the slot returns, nothing hangs.
-    rig.resume_server()
+    rig.resume(r)
     rig.proxy.release_replies(r.request_id)
     rig.settle()
     rig.free(r)

@@ -66,8 +66,8 @@ def test_exhausted_arrival_pool_degrades_and_recovers(make_rig: Callable[..., Ri
     first, second = rig.prompt(), rig.prompt()
     rig.store(first)
     rig.store(second)
-    # The only slot stays taken while the first retrieve's reply is held back.
-    a = rig.submit(first, width=1, hold_reply=True)
+    # The only slot stays taken while the first retrieve is held after its first slice, its reply held back.
+    a = rig.submit(first, width=1, hold_reply=True, hold_after_slices=1)
     require(rig.wait_released(a, 10), "early-release",
             f"request {a.request_id} was not released on its first slice while its reply was held")
     mark = len(warning_log)
@@ -81,6 +81,7 @@ def test_exhausted_arrival_pool_degrades_and_recovers(make_rig: Callable[..., Ri
             f"it sent {tail!r} (does kvstrata_create_worker honour WorkerOptions.pool_slots?)")
     require(_fallback_lines(warning_log[mark:]), "fallback",
             "a retrieve degraded because the arrival pool was exhausted and no WARNING said so")
+    rig.resume(a)
     rig.proxy.release_replies(a.request_id)
     read_every_layer(rig, b, "(retrieve that found the pool empty)")
     read_every_layer(rig, a, "(retrieve that held the only slot)")

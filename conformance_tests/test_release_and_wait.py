@@ -2,10 +2,10 @@
 
 The server is a real process; the suite catches the transfer in flight by
 holding the RETRIEVE reply at the proxy (so only the arrival board can tell
-the adapter anything) and, once the request is released, by pausing the server
-with SIGSTOP. Then the landed layers must read correctly at once, the next
-layer's wait must block for as long as the server stays paused, and once it
-resumes every remaining layer must read correctly after its wait.
+the adapter anything) and by holding the transfer in the server after its first
+slice (the test-only slice hold). Then the landed layers must read correctly at
+once, the next layer's wait must block for as long as the server holds, and once
+it goes on every remaining layer must read correctly after its wait.
 """
 
 from __future__ import annotations
@@ -26,23 +26,23 @@ def test_released_on_first_slice_and_every_layer_read_after_its_wait(rig: Rig) -
         returned, took = rig.wait_for_layer(layer, 5.0)
         require(returned, "layer-wait",
                 f"kvstrata_wait_for_layer({layer}) blocked although layer {layer} had landed ({landed} of {n})")
-        rig.check_layer(r, layer, f"(landed before the server was paused at {landed} of {n} layers)")
-    # The first layer that has not landed: the wait must block while the server is paused.
+        rig.check_layer(r, layer, f"(landed before the server held the transfer at {landed} of {n} layers)")
+    # The first layer that has not landed: the wait must block while the server holds the transfer.
     done, error = rig.start_wait(landed)
     if done.wait(BLOCKED_FOR):
         what = f"raised {type(error[0]).__name__}: {error[0]}" if error else "returned"
         broken("layer-wait",
-               f"kvstrata_wait_for_layer({landed}) {what} within {BLOCKED_FOR}s while the server was paused with "
+               f"kvstrata_wait_for_layer({landed}) {what} within {BLOCKED_FOR}s while the server held the transfer with "
                f"only {landed} of {n} layers landed: the engine would read layer {landed} before its KV arrived")
-    rig.resume_server()
+    rig.resume(r)
     require(done.wait(rig.options.layer_wait_timeout + 10), "layer-wait",
-            f"kvstrata_wait_for_layer({landed}) did not return after the server resumed")
+            f"kvstrata_wait_for_layer({landed}) did not return after the server went on")
     require(not error, "layer-wait", f"kvstrata_wait_for_layer({landed}) raised {error[0]!r}" if error else "")
     rig.check_layer(r, landed, "(the layer the wait blocked on)")
     for layer in range(landed + 1, n):
         returned, took = rig.wait_for_layer(layer, rig.options.layer_wait_timeout + 10)
-        require(returned, "layer-wait", f"kvstrata_wait_for_layer({layer}) did not return after the server resumed")
-        rig.check_layer(r, layer, "(after the server resumed)")
+        require(returned, "layer-wait", f"kvstrata_wait_for_layer({layer}) did not return after the server went on")
+        rig.check_layer(r, layer, "(after the server went on)")
     rig.proxy.release_replies(r.request_id)
     rig.settle()
     require(not rig.failed, "failure-reported", f"a healthy retrieve was reported failed: {rig.failed}")

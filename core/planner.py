@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 
 OnLayerBatch = Callable[[int, int], None]
 
+SliceHook = Callable[[str, int], None]
+_slice_hook: SliceHook | None = None
+"""Test-only: ``kvstrata.core.testing.slice_hold`` installs it to hold a transfer at a chosen slice, so a
+test can observe an in-flight state by construction instead of racing the copy. Called with (request id,
+slices published so far) before the first slice and after each one. Production never sets it."""
+
 
 class ChunkCopy(NamedTuple):
     """Part of one L1 object that lands in the engine's cache.
@@ -118,15 +124,21 @@ def layer_slices(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]
     return [(s, min(layers_per_stage, num_layers - s)) for s in range(0, num_layers, layers_per_stage)]
 
 
-def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None) -> None:
+def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None,
+                    request_id: str = "") -> None:
     """The default path: one all-layer launch. ``on_layer_batch`` sees one batch of every layer."""
+    hook = _slice_hook
+    if hook is not None:
+        hook(request_id, 0)
     executor.scatter(job, 0, 0)
     if on_layer_batch is not None:
         on_layer_batch(0, job.layout.num_layers)
+    if hook is not None:
+        hook(request_id, 1)
 
 
 def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
-                    on_layer_batch: OnLayerBatch) -> None:
+                    on_layer_batch: OnLayerBatch, request_id: str = "") -> None:
     """Issue one executor call per layer slice, calling back after each.
 
     Deliberately narrower than chunk-major: one KV group only (the caller falls
@@ -134,17 +146,23 @@ def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
     """
     if layers_per_stage <= 0:
         raise ValueError("run_layer_major needs layers_per_stage > 0; 0 is the chunk-major path")
-    for start, count in layer_slices(job.layout.num_layers, layers_per_stage):
+    hook = _slice_hook
+    if hook is not None:
+        hook(request_id, 0)
+    for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_stage)):
         executor.scatter(job, start, count)
         on_layer_batch(start, count)
+        if hook is not None:
+            hook(request_id, index + 1)
 
 
 def run_transfer(executor: Executor, job: TransferJob, layers_per_stage: int,
-                 on_layer_batch: OnLayerBatch | None = None) -> None:
+                 on_layer_batch: OnLayerBatch | None = None, request_id: str = "") -> None:
+    """``request_id`` names the transfer to the test-only slice hook (see ``_slice_hook``); nothing else reads it."""
     if layers_per_stage > 0:
-        run_layer_major(executor, job, layers_per_stage, on_layer_batch or (lambda s, c: None))
+        run_layer_major(executor, job, layers_per_stage, on_layer_batch or (lambda s, c: None), request_id)
     else:
-        run_chunk_major(executor, job, on_layer_batch)
+        run_chunk_major(executor, job, on_layer_batch, request_id)
 
 
 def layer_major_fallback_reason(layout: PagedKVLayout, *, sliceable: bool = True,

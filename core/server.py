@@ -40,11 +40,6 @@ class ServerConfig:
     allow_remote: bool = False
     busy_poll_ms: float = 25.0
     """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
-    keep_warm_ms: float = 0.0
-    """Inside that window, rehearse a scratch transfer on the latest GPU target this often, so that the
-    next transfer's host path is still in the core's caches (0: off, the default: on the H200 it made the
-    first slice's host work faster in isolation but transfers in flight finish later; see
-    ``kvstrata.native.warm_path`` and ``benchmarks/README.md``)."""
 
 
 @dataclass
@@ -63,8 +58,6 @@ class CacheServer:
     def __init__(self, config: ServerConfig) -> None:
         if config.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
-        if config.keep_warm_ms < 0:
-            raise ValueError(f"keep_warm_ms must be >= 0, got {config.keep_warm_ms}")
         self.config = config
         sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
@@ -74,8 +67,6 @@ class CacheServer:
         """Per request holding lookup locks: its LOOKUP's key and digests, so RETRIEVE need not hash again."""
         self._lock = threading.Lock()
         self._busy_polling = False
-        self._warm_target: Target | None = None
-        """The GPU target that copied last: the one the next transfer most likely uses, kept warm."""
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
                                 allow_remote=config.allow_remote)
         handlers = {
@@ -123,7 +114,6 @@ class CacheServer:
         return {"version": VERSION, "chunk_size": self.config.chunk_size,
                 "l1": self.store.stats(), "pool": {"name": self.store.segment.name, "size": self.store.capacity},
                 "instances": sorted(self._instances),
-                "keep_warm": {"every_ms": self.config.keep_warm_ms, "rehearsals": self.transport.rehearsals},
                 "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests},
                 "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
 
@@ -133,13 +123,10 @@ class CacheServer:
             raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
         layout = PagedKVLayout.from_wire(descriptor)
         target = open_target(layout, self.store.pool)
-        if self.config.keep_warm_ms > 0 and hasattr(target, "enable_keep_warm"):
-            target.enable_keep_warm()
         with self._lock:
             old = self._instances.pop(instance_id, None)
             self._instances[instance_id] = _Instance(instance_id, layout, placement, target)
         if old is not None:
-            self._forget_warm_target(old.target)
             old.target.close()
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
         busy_wait = getattr(target, "busy_wait", None)
@@ -147,14 +134,8 @@ class CacheServer:
             if not self._busy_polling:  # once per server, not once per GPU an engine registers
                 log.info("busy polling for %g ms after each request (about one core while it lasts; "
                          "--busy-poll-ms 0 turns it off)", self.config.busy_poll_ms)
-                if self.config.keep_warm_ms > 0:
-                    log.info("keeping the transfer path warm meanwhile: a one-block scratch transfer every %g ms "
-                             "(--keep-warm-ms 0 turns it off)", self.config.keep_warm_ms)
             self._busy_polling = True
-            keep_warm = self._keep_warm if self.config.keep_warm_ms > 0 else None
-            self.transport.enable_busy_poll(busy_wait, self.config.busy_poll_ms, keep_warm=keep_warm,
-                                            keep_warm_every_ms=self.config.keep_warm_ms)
-            self._note_warm_target(target)
+            self.transport.enable_busy_poll(busy_wait, self.config.busy_poll_ms)
         log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)
@@ -166,7 +147,6 @@ class CacheServer:
             inst = self._instances.pop(instance_id, None)
         if inst is None:
             return False
-        self._forget_warm_target(inst.target)
         inst.target.close()
         log.info("unregistered instance %d", instance_id)
         return True
@@ -197,7 +177,6 @@ class CacheServer:
         n = ck.num_tokens
         layout = inst.layout
         layout.check_block_ids(block_ids, n)
-        self._note_warm_target(inst.target)
         cs = self.config.chunk_size
         digests = ck.iter_chunk_hashes(cs)  # hashed as the loop goes: the first copy waits for one digest
         inst.target.wait_for_engine(event_handle)
@@ -341,7 +320,6 @@ class CacheServer:
         if skip > n:
             raise RequestError(f"skip_first_n_tokens {skip} exceeds the key's {n} tokens")
         layout.check_block_ids(block_ids, n)
-        self._note_warm_target(inst.target)
         objects = self._locked_objects(ck, layout)
         copies = planner.plan_copies([o.num_tokens for o in objects], self.config.chunk_size, 0, skip)
         job = planner.TransferJob(layout, block_ids, copies)
@@ -372,7 +350,7 @@ class CacheServer:
         started = time.perf_counter()
         executor = target.executor(objects)
         try:
-            planner.run_transfer(executor, job, width, on_layer_batch)
+            planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id)
         finally:
             executor.close()
         if event_handle is not None:
@@ -411,25 +389,6 @@ class CacheServer:
         if mail is not None and mail.fill(reply):
             return [HostSignal(mail.segment, mail.word_offset, mail.request_id)]
         return []
-
-    # --- keeping the path warm ----------------------------------------------------------
-
-    def _keep_warm(self) -> None:
-        """The transport's keep-warm hook: a scratch transfer on the GPU target that copied last."""
-        target = self._warm_target
-        if target is not None:
-            target.keep_warm()  # type: ignore[attr-defined]
-
-    def _note_warm_target(self, target: Target) -> None:
-        """Remember the GPU target that copied last, if the server keeps warm (on every transfer's path)."""
-        if self.config.keep_warm_ms > 0 and self._warm_target is not target and hasattr(target, "keep_warm"):
-            self._warm_target = target
-
-    def _forget_warm_target(self, target: Target) -> None:
-        with self._lock:
-            if self._warm_target is target:
-                self._warm_target = next((i.target for i in self._instances.values()
-                                          if hasattr(i.target, "keep_warm")), None)
 
     # --- helpers ---------------------------------------------------------------------
 

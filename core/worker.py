@@ -243,7 +243,7 @@ class LayerwiseWorker:
             from kvstrata.native.reference import ReferenceExecutor
 
             executor = ReferenceExecutor(self.local_regions, objects)
-            planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c))
+            planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c), request_id)
             return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
         except BaseException as exc:
             gate.fail(f"{type(exc).__name__}: {exc}")

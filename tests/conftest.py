@@ -1,15 +1,30 @@
-import logging
+import os
+import tempfile
 import uuid
 
 import pytest
 
 from kvstrata.core.client import CacheClient
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.core.testing.server_process import COUNT_FILE_VARIABLE, ServerProcess
+
+_count_dir = tempfile.mkdtemp(prefix="kvstrata-server-count-")
+os.environ.setdefault(COUNT_FILE_VARIABLE, os.path.join(_count_dir, "starts"))
+"""Every ServerProcess started by this run or its subprocesses (the conformance self-test) appends a line."""
 
 
-@pytest.fixture
+def pytest_terminal_summary(terminalreporter) -> None:
+    path = os.environ.get(COUNT_FILE_VARIABLE)
+    lines = open(path).read().splitlines() if path and os.path.exists(path) else []
+    mine = sum(1 for line in lines if line.split()[0] == str(os.getpid()))
+    terminalreporter.write_line(f"kvstrata serve processes started: {len(lines)} "
+                                f"({mine} by this pytest process, {len(lines) - mine} by its subprocesses)")
+
+
+@pytest.fixture(scope="module")
 def server():
-    """A fresh `kvstrata serve` child process per test: no locks carried between tests."""
+    """One `kvstrata serve` child process per test module; tests that kill or stop a server start their own.
+
+    Tests sharing it use their own request ids and prompts, and release what they lock."""
     with ServerProcess(l1_bytes=256 << 20, chunk_size=64) as srv:
         yield srv
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvstrata.core.client import CacheClient
@@ -30,26 +32,41 @@ def lookup_into_fresh_blocks(client: CacheClient, engine: ReferenceEngine, reque
     return key, dst
 
 
-def engine_loop(worker: LayerwiseWorker, request_id: str, num_layers: int, timeout: float = 30.0) -> dict:
-    """What an engine does: poll get_finished until released, then wait before reading each layer.
+_released_elsewhere: "weakref.WeakKeyDictionary[LayerwiseWorker, dict[str, dict]]" = weakref.WeakKeyDictionary()
+"""Requests a get_finished() call reported while release_of() waited for another one."""
 
-    Returns what was true at the moment of release (transfer still running? in the draining set?).
-    """
+
+def release_of(worker: LayerwiseWorker, request_id: str, timeout: float = 60.0) -> dict:
+    """Poll get_finished until ``request_id`` is released; what was true at that moment (transfer still
+    running? in the draining set?). The bound only catches a hang."""
     import time
 
+    seen = _released_elsewhere.setdefault(worker, {})
     deadline = time.monotonic() + timeout
-    seen = {}
     while request_id not in seen:
         for r in worker.get_finished():
             fut = worker.future_of(r)
-            seen[r] = {"future_done": fut.done() if fut is not None else True,
-                       "draining": r in worker.draining()}
+            seen[r] = {"future_done": fut.done() if fut is not None else True, "draining": r in worker.draining()}
+        if request_id in seen:
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(f"{request_id} was never released")
+        time.sleep(0.0005)
+    return seen.pop(request_id)
+
+
+def read_every_layer(worker: LayerwiseWorker, num_layers: int) -> None:
+    """What an engine does after the release: wait before reading each layer, then let the transfer settle."""
     for layer in range(num_layers):
         worker.wait_for_layer(layer)
     worker.wait_all()
-    return seen[request_id]
+
+
+def engine_loop(worker: LayerwiseWorker, request_id: str, num_layers: int, timeout: float = 60.0) -> dict:
+    """Poll get_finished until released, then wait before reading each layer (see :func:`release_of`)."""
+    at_release = release_of(worker, request_id, timeout)
+    read_every_layer(worker, num_layers)
+    return at_release
 
 
 def random_prompt(n: int, seed: int = 0) -> list[int]:

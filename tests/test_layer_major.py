@@ -1,15 +1,20 @@
 """Layer-major retrieve and first-slice release through a real server, both placements (CPU)."""
 
+import contextlib
+
 import pytest
 
 from kvstrata.core.client import CacheClient
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
-from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
+from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.worker import LayerwiseWorker
 
-from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
+from kvstrata.core.testing.slice_hold import SliceHold
+
+from helpers import (SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of,
+                     store_prompt)
 
 WIDTHS = [1, 2, 3, 8, 32]
 
@@ -43,11 +48,18 @@ def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
 
 
 @pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_WORKER])
-def test_request_is_released_while_its_transfer_is_still_in_flight(placement):
-    tokens = 1024  # 128 MiB at Llama-8B shapes: long enough on CPU that release comes first
-    with ServerProcess(l1_bytes=192 << 20, chunk_size=256) as srv:
+def test_request_is_released_while_its_transfer_is_still_in_flight(placement, tmp_path):
+    """The transfer is held after its first slice (test-only slice hold) until the test has seen the release,
+    so "released before complete" holds by construction, whatever the machine's speed."""
+    tokens = 256
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("big", after_slices=1)
+    # server placement: the server copies, so the hold is installed in its process; worker placement: here
+    with ServerProcess(l1_bytes=64 << 20, chunk_size=64, slice_hold=hold if placement == PLACEMENT_SERVER
+                       else None) as srv, (hold.installed() if placement == PLACEMENT_WORKER
+                                           else contextlib.nullcontext()):
         client = CacheClient(srv.address)
-        engine = ReferenceEngine(LLAMA_8B, num_blocks=2 * tokens // 16 + 2, block_size=16)
+        engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
         worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
         try:
             worker.register()
@@ -55,12 +67,17 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement):
             store_prompt(client, engine, prompt)
             key, dst = lookup_into_fresh_blocks(client, engine, "big", prompt)
             worker.submit_retrieve("big", key, [dst], layers_per_stage=1)
-            at_release = engine_loop(worker, "big", LLAMA_8B.num_layers)
+            hold.wait_held("big")
+            at_release = release_of(worker, "big")
             assert at_release == {"future_done": False, "draining": True}
+            assert engine.mismatched_layers(prompt, dst, 0, tokens, layers=[0, 1]) == [1]  # only slice 1 is there
+            worker.wait_for_layer(0)  # the engine reads layer 0 while the rest is held back
+            hold.open("big")
+            read_every_layer(worker, SMALL_32.num_layers)
             rec = worker.records["big"]
             assert rec.released_before_complete is True
             assert rec.released_at < rec.completed_at
-            assert rec.layer_waits >= 1
+            assert rec.layer_waits >= 1  # layer 0's, made while the transfer was held
             assert rec.failure is None
             assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
         finally:
@@ -113,8 +130,6 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
 def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
     """The server marks completion on the board before replying: the worker settles on it, frees the slot and
     reports the finished request drained while the reply is still held back (here by the recording proxy)."""
-    import time
-
     from kvstrata.conformance_tests.wire import RecordingProxy
 
     tokens = 512
@@ -130,10 +145,9 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             key, dst = lookup_into_fresh_blocks(client, engine, "held", prompt)
             proxy.hold_replies("held")
             worker.submit_retrieve("held", key, [dst], layers_per_stage=4)
+            reply = worker.future_of("held")
             assert proxy.wait_for(lambda: proxy.reply_held("held"), 20), "the server never answered"
-            deadline = time.monotonic() + 10
-            while "held" not in worker.get_finished():
-                assert time.monotonic() < deadline, "never released"
+            release_of(worker, "held")
             assert worker.finish_request("held") is None, "not settled although the board said complete"
             future = worker.future_of("held")
             assert future is None  # settled and handed back: nothing of it is in flight
@@ -142,7 +156,7 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             assert worker.pool.in_use() == 0, "the slot was not freed on the board's completion"
             assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
             proxy.release_replies("held")  # the late reply resolves a future nobody tracks any more
-            time.sleep(0.2)
+            assert reply.result(timeout=30)["retrieved_tokens"] == tokens
             worker.get_finished()
             assert worker.take_failed() == {}
         finally:

@@ -115,7 +115,7 @@ def test_a_polling_client_gets_replies_from_the_ring_alone(server):
     try:
         for i in range(20):
             fut = client.submit(RequestType.PING, [])
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60
             while not fut.done() and time.monotonic() < deadline:
                 client._take_replies()
             assert fut.result(timeout=0) == "pong", i
@@ -128,7 +128,7 @@ def test_error_replies_come_through_the_ring_too(server):
     client = ring_only_client(server.address)
     try:
         fut = client.submit_unchecked(RequestType.LOOKUP, ["not a key"])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while not fut.done() and time.monotonic() < deadline:
             client._take_replies()
         with pytest.raises(RemoteError, match="LOOKUP"):
@@ -148,12 +148,13 @@ def test_rings_the_server_cannot_map_leave_frames_to_zmq(server, monkeypatch, ca
     monkeypatch.setattr(SlotRing, "create", staticmethod(elsewhere))
     client = Client(server.address, default_timeout=10)
     try:
+        clients_before = client.call(RequestType.SERVER_INFO)["rings"]["clients"]  # the module shares the server
         with caplog.at_level(logging.WARNING, logger="kvstrata.core.transport"):
             assert not client.attach_rings()
         assert "frames travel over ZMQ only" in caplog.text and "ATTACH_RINGS" in caplog.text
         assert client.reply_ring is None
         assert client.call(RequestType.PING) == "pong"
-        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == 0
+        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == clients_before
     finally:
         client.close()
 
@@ -161,8 +162,9 @@ def test_rings_the_server_cannot_map_leave_frames_to_zmq(server, monkeypatch, ca
 def test_the_rings_can_be_turned_off(server, monkeypatch):
     monkeypatch.setenv("KVSTRATA_RINGS", "0")
     with Client(server.address, default_timeout=10) as client:
+        clients_before = client.call(RequestType.SERVER_INFO)["rings"]["clients"]  # the module shares the server
         assert not client.attach_rings()
-        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == 0
+        assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == clients_before
 
 
 def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, monkeypatch):
@@ -170,8 +172,9 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
     engine = ReferenceEngine(SMALL_32, num_blocks=64, block_size=16)
     worker = LayerwiseWorker(client, 0, engine.layout)
     try:
+        clients_before = client.server_info()["rings"]["clients"]  # the module shares the server
         worker.register()
-        assert client.server_info()["rings"]["clients"] == 1
+        assert client.server_info()["rings"]["clients"] == clients_before + 1
         ring = client.transport.reply_ring
         prompt = random_prompt(160)
         store_prompt(client, engine, prompt)
@@ -346,12 +349,13 @@ def test_a_mailbox_slot_is_read_only_once_its_word_holds_a_wanted_id():
 
 class DeviceStandIn:
     """RETRIEVE as a device target would serve it: fill a mailbox slot, have a "device" thread store the
-    request id in it after ``announce_s``, and report the copies done only ``ready_s`` later."""
+    request id in it once the test says ``announce``, and report the copies done only once it says ``finish``."""
 
-    def __init__(self, announce_s: float, ready_s: float) -> None:
+    def __init__(self) -> None:
         self.server: Server | None = None
-        self.announce_s, self.ready_s = announce_s, ready_s
-        self.ready_at: list[float] = []
+        self.announce = threading.Event()
+        self.announced = threading.Event()
+        self.finish = threading.Event()
 
     def retrieve(self, *payload: Any) -> Deferred:
         mail = self.server.mailbox_slot()
@@ -360,41 +364,54 @@ class DeviceStandIn:
         assert mail.fill(reply)
         words = np.frombuffer(mail.segment.buf, dtype=np.uint64)
         done = threading.Event()
+        announce, announced, finish = self.announce, self.announced, self.finish
 
         def device() -> None:
-            time.sleep(self.announce_s)
+            assert announce.wait(60)
             words[mail.word_offset // 8] = mail.request_id
-            time.sleep(self.ready_s)
-            self.ready_at.append(time.perf_counter())
+            announced.set()
+            assert finish.wait(60)
             done.set()
 
         threading.Thread(target=device, daemon=True).start()
         return Deferred(lambda: reply, done.is_set)
 
+    def next_request(self) -> None:
+        self.announce, self.announced, self.finish = threading.Event(), threading.Event(), threading.Event()
+
 
 def test_a_polling_client_resolves_a_transfer_from_the_mailbox_before_the_server_answers():
-    device = DeviceStandIn(announce_s=0.05, ready_s=0.5)
+    device = DeviceStandIn()
     server = device.server = started_server(device.retrieve, transfer_threads=2)
     server.enable_busy_poll(spin_watching_words, 50.0)
-    client = Client(server.address, default_timeout=10)
+    client = Client(server.address, default_timeout=60)
     try:
         assert client.attach_rings() and client.mailbox is not None
+        peer = next(iter(server._peers.values()))
         for i in range(4):  # the last one is not marked as one the mailbox may announce
+            device.next_request()
             fut = client.submit(RequestType.RETRIEVE, [key(f"m{i}"), 0, [[0]], None, 0, None, None, 0],
                                 mailbox=i < 3)
-            while not fut.done():
-                client.poll()
-                time.sleep(1e-4)
-            resolved = time.perf_counter()
-            assert fut.result() == {"retrieved_tokens": 3}
-            time.sleep(0.6)  # let the server answer too: its copy must not resolve anything twice
+            device.announce.set()
+            assert device.announced.wait(60)
+            # the copies are not done, so the server cannot have answered: only the mailbox can resolve it
+            deadline = time.monotonic() + 60
+            polls = 0
+            while not fut.done() and (polls < 50 if i == 3 else time.monotonic() < deadline):
+                client.poll()  # reads the mailbox in this thread: the word is already there
+                polls += 1
             if i < 3:
-                assert resolved < device.ready_at[i], "resolved once the server answered, not from the mailbox"
+                assert fut.done(), "the announced transfer was not resolved from the mailbox"
+                assert fut.result() == {"retrieved_tokens": 3}
             else:
-                assert resolved >= device.ready_at[i], "the mailbox was read for a request not marked for it"
+                assert not fut.done(), "the mailbox was read for a request not marked for it"
+            device.finish.set()
+            assert client.wait(fut, timeout=60) == {"retrieved_tokens": 3}  # the server's reply: nothing twice
+            deadline = time.monotonic() + 60
+            while len(peer.mail_free) != peer.mailbox.slots:  # every slot back once its reply went out
+                assert time.monotonic() < deadline, "the mailbox slot never came back"
+                time.sleep(0.001)
         assert client.mailbox.taken == 3
-        peer = next(iter(server._peers.values()))
-        assert len(peer.mail_free) == peer.mailbox.slots  # every slot back once its reply went out
     finally:
         client.close()
         server.stop()

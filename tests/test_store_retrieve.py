@@ -8,6 +8,7 @@ from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
 from kvstrata.core.transport import RemoteError
 
 CHUNK = 64  # the `server` fixture's chunk size
+SMALL = ModelShape(num_layers=4, num_heads=2, head_size=16, dtype="bfloat16")
 
 
 def make_engine(client, shape, num_blocks=64, block_size=16, instance_id=0):
@@ -92,7 +93,7 @@ def test_lookup_locks_are_released(client, release):
     shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
     engine = make_engine(client, shape)
     try:
-        prompt = list(range(128))
+        prompt = list(range(1000, 1128))  # tokens no other test of the module stores
         store_prompt(client, engine, prompt)
         key = CacheKey.for_tokens("locker", prompt, model="m")
         assert client.lookup(key) == 128
@@ -112,7 +113,7 @@ def test_retrieve_without_lookup_is_refused_and_failed_retrieve_releases_locks(c
     shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
     engine = make_engine(client, shape)
     try:
-        prompt = list(range(64))
+        prompt = list(range(2000, 2064))  # tokens no other test of the module stores
         store_prompt(client, engine, prompt)
         with pytest.raises(RemoteError, match="RETRIEVE: .*not locked for request"):
             client.retrieve(CacheKey.for_tokens("nolookup", prompt, model="m"), 0, [[0, 1, 2, 3]])
@@ -185,7 +186,7 @@ def test_store_skips_chunks_already_stored(client):
     shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
     engine = make_engine(client, shape)
     try:
-        prompt = list(range(128))
+        prompt = list(range(3000, 3128))  # tokens no other test of the module stores
         assert store_prompt(client, engine, prompt)["stored_tokens"] == 128
         longer = prompt + list(range(500, 564))
         reply = store_prompt(client, engine, longer)
@@ -194,18 +195,19 @@ def test_store_skips_chunks_already_stored(client):
         engine.close()
 
 
-def test_ping_and_lookup_are_answered_while_a_long_transfer_runs():
-    """Blocking handlers run on transfer threads: a slow retrieve must not stall the socket loop."""
-    import time
-
+def test_ping_and_lookup_are_answered_while_a_long_transfer_runs(tmp_path):
+    """Blocking handlers run on transfer threads: a retrieve held mid-transfer (test-only slice hold) must
+    not stall the socket loop."""
     from kvstrata.core.client import CacheClient
-    from kvstrata.core.testing.reference_engine import LLAMA_8B
     from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.testing.slice_hold import SliceHold
 
-    tokens = 2048  # 256 MiB: hundreds of milliseconds of copying on CPU
-    with ServerProcess(l1_bytes=300 << 20, chunk_size=256) as srv:
+    tokens = 128
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("slow", after_slices=0)  # chunk-major: held before its one copy
+    with ServerProcess(l1_bytes=32 << 20, chunk_size=64, slice_hold=hold) as srv:
         client = CacheClient(srv.address)
-        engine = make_engine(client, LLAMA_8B, num_blocks=2 * tokens // 16 + 2)
+        engine = make_engine(client, SMALL, num_blocks=2 * tokens // 16 + 2)
         try:
             prompt = list(range(tokens))
             store_prompt(client, engine, prompt)
@@ -213,15 +215,13 @@ def test_ping_and_lookup_are_answered_while_a_long_transfer_runs():
             client.lookup(key)
             dst = engine.allocate(tokens)
             fut = client.retrieve_async(key, 0, [dst])
-            time.sleep(0.02)  # let the retrieve reach its transfer thread
-            t0 = time.perf_counter()
+            hold.wait_held("slow")
             assert client.ping() == "pong"
             assert client.lookup(CacheKey.for_tokens("other", [1, 2, 3], model="m")) == 0
-            answered = time.perf_counter() - t0
-            assert not fut.done(), "the retrieve finished before PING was even sent: the test proves nothing"
-            client.transport.wait(fut)
-            total = time.perf_counter() - t0
-            assert answered < total / 2, (answered, total)
+            assert not fut.done(), "the held retrieve answered before it was let go"
+            hold.open("slow")
+            assert client.transport.wait(fut)["retrieved_tokens"] == tokens
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
         finally:
             engine.close()
             client.close()

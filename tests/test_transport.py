@@ -33,21 +33,40 @@ def handler_of_arity(n: int, fn: Any) -> Any:
 
 
 class SlowTransfers:
-    """RETRIEVE sleeps ``delay`` and reports how many ran at once; everything else answers at once."""
+    """RETRIEVE waits ``delay`` (or, with ``gated``, until the test opens its instance's gate) and reports
+    how many ran at once; everything else answers at once."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float = 0.0, gated: bool = False) -> None:
         self.delay = delay
+        self.gated = gated
+        self.gates: dict[int, threading.Event] = {}
         self.running = 0
         self.most_at_once = 0
-        self.lock = threading.Lock()
+        self.started: list[int] = []
+        self.cond = threading.Condition()
+
+    def gate(self, instance_id: int) -> threading.Event:
+        with self.cond:
+            return self.gates.setdefault(instance_id, threading.Event())
+
+    def wait_until(self, predicate: Any, timeout: float = 60.0) -> None:
+        """Block until ``predicate()`` holds (bounded: only catches a hang)."""
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout), "the transfers never reached the expected state"
 
     def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
-        with self.lock:
+        with self.cond:
             self.running += 1
             self.most_at_once = max(self.most_at_once, self.running)
-        time.sleep(self.delay)
-        with self.lock:
+            self.started.append(instance_id)
+            self.cond.notify_all()
+        if self.gated:
+            assert self.gate(instance_id).wait(60), f"transfer {instance_id} was never let go"
+        else:
+            time.sleep(self.delay)
+        with self.cond:
             self.running -= 1
+            self.cond.notify_all()
         return {"instance_id": instance_id}
 
 
@@ -83,32 +102,34 @@ def retrieve_payload(instance_id: int) -> list[Any]:
 
 
 def test_blocking_requests_beyond_the_cap_queue_while_ping_is_answered(serve: Any) -> None:
-    transfers = SlowTransfers(delay=0.3)
+    transfers = SlowTransfers(gated=True)
     server = serve(1, transfers)
-    with Client(server.address, default_timeout=10) as client:
-        t0 = time.monotonic()
+    with Client(server.address, default_timeout=60) as client:
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(3)]
-        time.sleep(0.05)
-        for _ in range(5):  # answered at once although the one transfer slot is busy and two wait
-            t = time.monotonic()
-            assert client.call(RequestType.PING, timeout=2) == "pong"
-            assert time.monotonic() - t < 0.2
-        assert [client.wait(f)["instance_id"] for f in futures] == [0, 1, 2]
-        elapsed = time.monotonic() - t0
+        transfers.wait_until(lambda: transfers.running == 1)
+        for _ in range(5):  # answered although the one transfer slot is busy and two wait
+            assert client.call(RequestType.PING, timeout=60) == "pong"
+        for i in range(3):  # each queued transfer starts only once the one before it has ended
+            assert transfers.started == list(range(i + 1)) and not futures[i].done()
+            transfers.gate(i).set()
+            assert client.wait(futures[i])["instance_id"] == i
+            if i < 2:
+                transfers.wait_until(lambda: len(transfers.started) == i + 2)
     assert transfers.most_at_once == 1
-    assert elapsed >= 0.85, f"three 0.3 s transfers on one slot finished in {elapsed:.2f} s: they did not queue"
 
 
 def test_transfer_slots_run_in_parallel_up_to_the_cap(serve: Any) -> None:
-    transfers = SlowTransfers(delay=0.3)
+    transfers = SlowTransfers(gated=True)
     server = serve(3, transfers)
-    with Client(server.address, default_timeout=10) as client:
-        t0 = time.monotonic()
+    with Client(server.address, default_timeout=60) as client:
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(6)]
+        transfers.wait_until(lambda: transfers.running == 3)  # three at once, while three wait
+        assert client.call(RequestType.PING, timeout=60) == "pong"
+        assert len(transfers.started) == 3
+        for i in range(6):
+            transfers.gate(i).set()
         assert sorted(client.wait(f)["instance_id"] for f in futures) == list(range(6))
-        elapsed = time.monotonic() - t0
     assert transfers.most_at_once == 3
-    assert elapsed < 1.5, f"six 0.3 s transfers on three slots took {elapsed:.2f} s"
 
 
 def test_many_threads_share_one_client_without_losing_replies(serve: Any) -> None:
@@ -157,7 +178,7 @@ def test_a_polling_caller_resolves_replies_itself(serve: Any) -> None:
         client._thread.join(timeout=5)
         assert not client._thread.is_alive()
         fut = client.submit(RequestType.PING, [])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while not fut.done() and time.monotonic() < deadline:
             client.poll()
             time.sleep(0.001)
@@ -202,58 +223,15 @@ def test_busy_polling_on_both_sides_serves_every_request(serve: Any) -> None:
         server.enable_busy_poll(busy_wait, -1)
 
 
-def test_keep_warm_runs_inside_the_busy_window_only_and_requests_still_flow(serve: Any) -> None:
-    """Rehearsals come every keep_warm_every_ms while the window lasts, then stop; requests are served between."""
-    rehearsals: list[float] = []
-    server = serve(2, SlowTransfers(delay=0.001))
-    server.enable_busy_poll(python_busy_wait, 60.0, keep_warm=lambda: rehearsals.append(time.monotonic()),
-                            keep_warm_every_ms=2.0)
-    with Client(server.address, default_timeout=10) as client:
-        assert client.call(RequestType.RETRIEVE, retrieve_payload(7))["instance_id"] == 7
-        last_request = time.monotonic()
-        lookups = []
-        for i in range(20):  # served while rehearsals run between them
-            lookups.append(client.call(RequestType.LOOKUP, [dict(KEY, request_id=f"l{i}")])["request_id"])
-            time.sleep(0.002)
-        assert lookups == [f"l{i}" for i in range(20)]
-        last_request = time.monotonic()
-        time.sleep(0.2)
-    during = [t for t in rehearsals if t <= last_request + 0.06]
-    assert len(during) >= 10, rehearsals  # ~40 ms of requests plus a 60 ms window at one per 2 ms
-    late = [t for t in rehearsals if t > last_request + 0.1]
-    assert not late, f"{len(late)} rehearsals after the busy window ended"
-    gaps = [b - a for a, b in zip(rehearsals, rehearsals[1:])]
-    assert min(gaps) >= 0.0015, "rehearsals ran closer together than keep_warm_every_ms"
-    with pytest.raises(ValueError, match="keep_warm_every_ms must be positive"):
-        server.enable_busy_poll(python_busy_wait, 5.0, keep_warm=lambda: None, keep_warm_every_ms=0)
-
-
-def test_a_failing_keep_warm_is_turned_off_with_a_warning(serve: Any, caplog: Any) -> None:
-    calls = {"n": 0}
-
-    def broken() -> None:
-        calls["n"] += 1
-        raise RuntimeError("scratch transfer failed")
-
-    server = serve(1, SlowTransfers(delay=0.001))
-    server.enable_busy_poll(python_busy_wait, 50.0, keep_warm=broken, keep_warm_every_ms=1.0)
-    with caplog.at_level("WARNING", logger="kvstrata.core.transport"):
-        with Client(server.address, default_timeout=10) as client:
-            for i in range(5):
-                assert client.call(RequestType.RETRIEVE, retrieve_payload(i))["instance_id"] == i
-                time.sleep(0.005)
-    assert calls["n"] == 1
-    assert "keeping the transfer path warm failed and is now off: scratch transfer failed" in caplog.text
-
-
 class DeviceTransfers:
     """RETRIEVE as a device target runs it: the handler returns at once with a Deferred that is ready
     ``delay`` later (a copy on a device); settling it answers ``instance_id``, or fails from 100 up."""
 
-    def __init__(self, delay: float, together: tuple[int, ...] = ()) -> None:
+    def __init__(self, delay: float, together: tuple[int, ...] = (), side_by_side: tuple[int, ...] = ()) -> None:
         self.delay = delay
         self.together = together  # these instance ids finish at one moment (the first one's end)
         self._together_end: float | None = None
+        self.side_by_side = side_by_side  # these are ready only once all of them have started
         self.started: list[int] = []
         self.settled: list[int] = []
         self.spans: dict[int, list[float]] = {}  # instance_id -> [handler started, settled]
@@ -278,6 +256,8 @@ class DeviceTransfers:
                 raise RuntimeError(f"copy {instance_id} failed on the device")
             return {"instance_id": instance_id}
 
+        if instance_id in self.side_by_side:
+            return Deferred(settle, lambda: set(self.side_by_side) <= set(self.started))
         return Deferred(settle, lambda: time.monotonic() >= end)
 
 
@@ -315,11 +295,12 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
     def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
         if events:
             watched.append(list(events))
+            for h in events:  # the device finishes a copy only once the spin watches its event
+                flags[h].set()
         return python_busy_wait(fd, max_us, lambda: any(flags[h].is_set() for h in events or ()))
 
     def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
         flag = flags[instance_id + 1] = threading.Event()
-        threading.Timer(0.2, flag.set).start()  # the device finishes 200 ms later: watched by then, even under load
         return Deferred(lambda: {"instance_id": instance_id}, flag.is_set, instance_id + 1)
 
     server = serve(2, SlowTransfers(0))
@@ -333,15 +314,15 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
 
 def test_every_queued_transfer_starts_when_settled_ones_free_their_slots(serve: Any) -> None:
     """Two transfers settle together and free two slots: both queued transfers start then and run side by
-    side, rather than the second waiting for the first to settle."""
-    transfers = DeviceTransfers(delay=0.1, together=(0, 1))
+    side, rather than the second waiting for the first to settle (transfers 2 and 3 are done only once both
+    have started, so run one after the other they would never finish)."""
+    transfers = DeviceTransfers(delay=0.1, together=(0, 1), side_by_side=(2, 3))
     server = serve(2, transfers)
     server.enable_busy_poll(python_busy_wait, 5.0)
-    with Client(server.address, default_timeout=10) as client:
+    with Client(server.address, default_timeout=60) as client:
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(4)]
         assert sorted(client.wait(f)["instance_id"] for f in futures) == [0, 1, 2, 3]
-    (a_start, a_end), (b_start, b_end) = (transfers.spans[i] for i in sorted(transfers.spans)[2:])
-    assert max(a_start, b_start) < min(a_end, b_end), f"the queued transfers ran one after the other: {transfers.spans}"
+    assert sorted(transfers.settled[2:]) == [2, 3]
 
 
 def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_resumes(serve: Any,
@@ -352,39 +333,46 @@ def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_re
     import functools
 
     watched: list[list[int]] = []
+    seen: set[int] = set()
     poisoned = 51
-    ends: dict[int, float] = {}
+    spin_failed = threading.Event()
+    fails_at = {}
 
-    def query(handle: int, late: float = 0.0) -> bool:
-        """An event query as the driver answers it: done once the copy ends; the failed one raises then.
-        (``late``: Python's own checks see it 10 ms later, so that the busy-wait is the first to see it.)"""
-        if time.monotonic() < ends[handle] + late:
-            return False
-        if handle == poisoned:
-            raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
-        return True
-
+    # The device as these handles describe it: a healthy copy is done once the busy-wait has watched its event;
+    # the poisoned one fails, and only the busy-wait's event query can tell first (Python's readiness check
+    # sees the error only after the busy-wait raised), whatever the threads' timing.
     def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
         if events:
             watched.append(list(events))
-        return python_busy_wait(fd, max_us, lambda: any(query(h) for h in events or ()))
+            seen.update(events)
+            if poisoned in events and time.monotonic() >= fails_at[poisoned]:
+                spin_failed.set()
+                raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
+        return python_busy_wait(fd, max_us, lambda: any(h in seen and h != poisoned for h in events or ()))
+
+    def ready(handle: int) -> bool:
+        if handle == poisoned:
+            if spin_failed.is_set():
+                raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
+            return False
+        return handle in seen
 
     def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
         handle = instance_id + 1
-        ends[handle] = time.monotonic() + (0.02 if handle == poisoned else 0.1)  # it fails while the other copies
+        fails_at[handle] = time.monotonic() + 0.02
 
         def settle() -> dict:
             if handle == poisoned:
                 raise RuntimeError(f"copy {instance_id} failed on the device")
             return {"instance_id": instance_id}
 
-        return Deferred(settle, lambda: query(handle, late=0.01), handle)
+        return Deferred(settle, lambda: ready(handle), handle)
 
     server = serve(2, SlowTransfers(0))
     server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
     server.enable_busy_poll(functools.partial(spin, warm_stream=1), 5.0)
     with caplog.at_level("WARNING", logger="kvstrata.core.transport"):
-        with Client(server.address, default_timeout=10) as client:
+        with Client(server.address, default_timeout=60) as client:
             good = client.submit(RequestType.RETRIEVE, retrieve_payload(5))
             bad = client.submit(RequestType.RETRIEVE, retrieve_payload(poisoned - 1))
             assert client.wait(good)["instance_id"] == 5
@@ -398,11 +386,23 @@ def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_re
 
 
 def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
-    transfers = DeviceTransfers(delay=0.02)
-    server = serve(2, transfers)
-    with Client(server.address, default_timeout=10) as client:
+    """Nothing polls the device, so the handler's own thread settles the transfer (ready() never says so)."""
+    settled_by: list[str] = []
+
+    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
+        handler = threading.current_thread().name
+
+        def settle() -> dict:
+            settled_by.append("handler" if threading.current_thread().name == handler else "another thread")
+            return {"instance_id": instance_id}
+
+        return Deferred(settle, lambda: False)
+
+    server = serve(2, SlowTransfers())
+    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    with Client(server.address, default_timeout=60) as client:
         assert client.call(RequestType.RETRIEVE, retrieve_payload(4))["instance_id"] == 4
-    assert transfers.settled_early == [4]  # settled in the handler's thread right away, waiting there
+    assert settled_by == ["handler"]
 
 
 def started_server(retrieve: Any, transfer_threads: int = 1) -> Server:
@@ -423,7 +423,7 @@ def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
     client = Client(server.address, default_timeout=10)
     try:
         client.submit(RequestType.RETRIEVE, retrieve_payload(9))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while not transfers.started and time.monotonic() < deadline:
             time.sleep(0.005)
     finally:
@@ -436,34 +436,37 @@ def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve
     """A hands_over_turn handler keeps the socket (no other thread woken) until release_turn; then PING flows."""
     from kvstrata.core.transport import hands_over_turn
 
+    entered = threading.Event()
+    ping_sent = threading.Event()
     released = threading.Event()
     finish = threading.Event()
     holder: list[Server] = []
 
     class HoldingTransfers(SlowTransfers):
         def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
-            time.sleep(0.3)  # the latency-critical start: the socket stays with this thread
+            entered.set()
+            assert ping_sent.wait(60)  # the latency-critical start: the socket stays with this thread
+            time.sleep(0.1)  # only gives a broken transport time to answer the PING early; never flakes a good one
             released.set()
             holder[0].release_turn()
             holder[0].release_turn()  # a second call is harmless
-            finish.wait(5)
+            assert finish.wait(60)
             return {"instance_id": instance_id}
 
-    transfers = HoldingTransfers(delay=0.0)
+    transfers = HoldingTransfers()
     server = serve(2, transfers)
     holder.append(server)
     arity = DECLARATIONS[RequestType.RETRIEVE].arity
     server.register(RequestType.RETRIEVE, hands_over_turn(handler_of_arity(arity, transfers.retrieve)))
-    with Client(server.address, default_timeout=10) as client:
+    with Client(server.address, default_timeout=60) as client:
         fut = client.submit(RequestType.RETRIEVE, retrieve_payload(7))
-        time.sleep(0.05)
+        assert entered.wait(60)
         ping = client.submit(RequestType.PING, [])
+        ping_sent.set()
         assert client.wait(ping) == "pong"
         assert released.is_set(), "PING was answered while the handler still held the turn"
         assert not fut.done()
-        t = time.monotonic()
-        assert client.call(RequestType.PING, timeout=2) == "pong"  # after release: answered at once
-        assert time.monotonic() - t < 0.2
+        assert client.call(RequestType.PING, timeout=60) == "pong"  # after the release: answered meanwhile
         finish.set()
         assert client.wait(fut)["instance_id"] == 7
 

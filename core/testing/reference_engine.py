@@ -114,9 +114,11 @@ class ReferenceEngine:
         pos = torch.arange(start, end)
         return torch.stack([synthetic_kv(tokens, pos, layer, k, self.shape) for k in range(self.shape.kv_size)])
 
-    def mismatched_layers(self, token_ids: Sequence[int], blocks: Sequence[int], start: int, end: int) -> list[int]:
-        """Layers whose bytes for positions [start, end) differ from what prefill would write."""
-        return [l for l in range(self.shape.num_layers)
+    def mismatched_layers(self, token_ids: Sequence[int], blocks: Sequence[int], start: int, end: int,
+                          layers: Sequence[int] | None = None) -> list[int]:
+        """Layers (of ``layers``, default all) whose bytes for positions [start, end) differ from what prefill
+        would write."""
+        return [l for l in (range(self.shape.num_layers) if layers is None else layers)
                 if not torch.equal(self.read_layer(l, blocks, start, end), self.expected_layer(token_ids, l, start, end))]
 
     def gather(self, blocks: Sequence[int], start: int, end: int) -> torch.Tensor:

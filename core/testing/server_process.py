@@ -8,25 +8,46 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from kvstrata.core.client import CacheClient
 from kvstrata.core.transport import RequestTimeout, RemoteError
 
+if TYPE_CHECKING:
+    from .slice_hold import SliceHold
+
+
+COUNT_FILE_VARIABLE = "KVSTRATA_TEST_SERVER_COUNT_FILE"
+"""If set, every start appends a line to this file: the test suite counts the servers it and its
+subprocesses started (tests/conftest.py prints the total when the run ends)."""
+
 
 class ServerProcess:
+    starts = 0
+    """Servers started by this process."""
+
     def __init__(self, *, l1_bytes: int = 256 << 20, chunk_size: int = 256, address: str | None = None,
-                 log_level: str = "WARNING", extra_args: list[str] | None = None) -> None:
+                 log_level: str = "WARNING", extra_args: list[str] | None = None,
+                 slice_hold: "SliceHold | None" = None) -> None:
+        """``slice_hold``: the server runs with that test-only hold installed (see ``slice_hold.py``)."""
         if address is None:
             self._tmp = tempfile.mkdtemp(prefix="kvstrata-test-")
             os.chmod(self._tmp, 0o700)
             address = f"ipc://{self._tmp}/server.sock"
         self.address = address
-        self.args = [sys.executable, "-m", "kvstrata", "serve", "--address", address, "--l1-size", str(l1_bytes),
+        self.slice_hold = slice_hold
+        entry = ["kvstrata"] if slice_hold is None else ["kvstrata.core.testing.slice_hold", str(slice_hold.directory)]
+        self.args = [sys.executable, "-m", *entry, "serve", "--address", address, "--l1-size", str(l1_bytes),
                      "--chunk-size", str(chunk_size), "--log-level", log_level, *(extra_args or [])]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL)
+        ServerProcess.starts += 1
+        count_file = os.environ.get(COUNT_FILE_VARIABLE)
+        if count_file:
+            with open(count_file, "a") as f:
+                f.write(f"{os.getpid()} {self.proc.pid}\n")
         deadline = time.monotonic() + timeout
         client = CacheClient(self.address, timeout=1.0)
         started = False

@@ -21,6 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs 
 
 from kvstrata.core.client import CacheClient  # noqa: E402
 from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
+from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 LAYERS = 8
@@ -34,10 +35,15 @@ FAMILY = [SHARED + [rng.randrange(3, 999) for _ in range(150 + 40 * i)] for i in
 ALL = [A, B, *FAMILY]
 
 
-def run_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False, timeout=600):
+def run_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False, timeout=600,
+             slice_hold: SliceHold | None = None):
+    """``slice_hold``: installed in the engine's processes (the connector copies there: worker placement)."""
     cfg = {"model": str(tmp / "model"), "batches": batches, "max_tokens": 8, "connector": connector, "abort": abort}
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+    env.pop(ENVIRONMENT_VARIABLE, None)
+    if slice_hold is not None:
+        env[ENVIRONMENT_VARIABLE] = str(slice_hold.directory)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(RUNNER), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -76,10 +82,13 @@ def connector_config(server, tmp: Path, name: str, **extra):
 def test_hits_equal_a_run_without_kvstrata_and_are_released_before_their_transfer_completes(work):
     tmp, base = work
     with ServerProcess(chunk_size=64, l1_bytes=512 << 20) as server:
+        cfg = connector_config(server, tmp, "hits")
+        # Every load is held after its first slice until the engine has waited on a layer with it in flight
+        # (the record says so): "released before complete" and "waited while in flight" hold by construction.
+        hold = SliceHold(tmp / "hold-hits")
+        hold.hold("", after_slices=1, until=UNTIL_ENGINE_WAITED, record_path=cfg["record_path"])
         # vLLM's default deployment: scheduler and worker in separate spawned processes
-        # one request per batch: a load issued while another prompt's forward runs can finish before
-        # vLLM next asks get_finished (it asks between steps), which says nothing about early release
-        out = run_vllm(tmp, "hits", [[A], [A], [B]], connector_config(server, tmp, "hits"), multiprocessing=True)
+        out = run_vllm(tmp, "hits", [[A], [A], [B]], cfg, multiprocessing=True, slice_hold=hold)
     assert_same(out["batches"][0][0], base[0], "A, computed and stored")
     assert_same(out["batches"][1][0], base[0], "A, loaded from kvstrata")
     assert_same(out["batches"][2][0], base[1], "B (shares A's first 1200 tokens), loaded from kvstrata")
@@ -88,16 +97,14 @@ def test_hits_equal_a_run_without_kvstrata_and_are_released_before_their_transfe
     loads = {e["request_id"]: e for e in record if e["event"] == "load_started"}
     assert len(loads) == 2, record
     assert sorted(e["tokens"] for e in loads.values()) == [1152, 2496]  # block- and chunk-aligned hits
-    for rid in loads:
+    for rid in loads:  # both hits, the short one included
         released = [e for e in record if e["event"] == "released" and e["request_id"] == rid]
         assert released and released[0]["released_before_complete"] is True, (rid, released)
         settled = [e for e in record if e["event"] == "settled" and e["request_id"] == rid][0]
         assert settled["failure"] is None and settled["release_ms"] < settled["complete_ms"], settled
-    # the overlap really happened: the engine reached layers while a released transfer was still copying.
-    # Shown on the longer load (A, 2496 tokens); B's shorter one may finish before its forward starts.
-    a = max(loads, key=lambda r: loads[r]["tokens"])
-    waited = {e["layer"] for e in record if e["event"] == "wait_for_layer_load" and a in e["in_flight"]}
-    assert waited, f"{a}: the engine never waited on a layer while its transfer was in flight"
+        # the overlap really happened: the engine reached a layer while the released transfer was copying
+        waited = {e["layer"] for e in record if e["event"] == "wait_for_layer_load" and rid in e["in_flight"]}
+        assert 0 in waited, f"{rid}: the engine never waited on a layer while its transfer was in flight"
     # the engine called wait_for_layer_load before every layer of every forward step
     per_layer = [sum(1 for e in record if e["event"] == "wait_for_layer_load" and e["layer"] == l)
                  for l in range(LAYERS)]
@@ -110,7 +117,11 @@ def test_concurrent_shared_prefixes_and_an_abort_while_loading(work):
         run_vllm(tmp, "populate", [[SHARED + [5] * 40], [A]], connector_config(server, tmp, "populate"))
         cfg = connector_config(server, tmp, "concurrent")
         abort = {"prompts": [A[:1200] + [9] * 40, *FAMILY[:2]], "record_path": cfg["record_path"]}
-        out = run_vllm(tmp, "concurrent", [FAMILY], cfg, abort=abort)
+        # the request to abort loads nothing until the runner has aborted it (it opens the hold then), so it
+        # cannot be released early in the step its load started
+        hold = SliceHold(tmp / "hold-concurrent")
+        hold.hold("abort-test-0", after_slices=0)
+        out = run_vllm(tmp, "concurrent", [FAMILY], cfg, abort=abort, slice_hold=hold)
         client = CacheClient(server.address)
         try:
             stats = client.server_info()["l1"]

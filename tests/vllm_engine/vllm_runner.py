@@ -8,6 +8,9 @@ every run gets a fresh interpreter):
 CONFIG: {"model": dir, "batches": [[prompt, ...], ...], "max_tokens": 8,
          "connector": null | {kv_connector_extra_config...}, "abort": null | {...}}
 Each batch is one ``generate`` call (so the second batch can hit what the first stored).
+
+With ``KVSTRATA_TEST_SLICE_HOLD`` set, the test-only slice hold is installed at import: in this process and
+in every engine process vLLM starts (a forked one inherits it, a spawned one imports this module again).
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ import json
 import os
 import sys
 import time
+
+from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold, install_from_environment
+
+install_from_environment()
 
 
 def make_model(path: str, *, layers: int = 8, hidden: int = 512, heads: int = 8, kv_heads: int = 4,
@@ -88,6 +95,8 @@ def run_abort(llm, params, abort: dict) -> dict:
         if loading:
             break
     engine.abort_request([ids[0]])
+    if os.environ.get(ENVIRONMENT_VARIABLE):
+        SliceHold(os.environ[ENVIRONMENT_VARIABLE]).open("abort-test-0")  # its load may go on now
     finished = {}
     deadline = time.monotonic() + 120
     while engine.has_unfinished_requests():

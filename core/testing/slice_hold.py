@@ -1,0 +1,223 @@
+"""Hold a transfer at a chosen slice until the test opens it (test-only).
+
+A test that asserts an ordering ("released before its transfer completed",
+"the engine waited on a layer still in flight", "the reply came after the
+board said complete") must not depend on which thread wins a race: on a loaded
+2-core machine a small copy finishes before the engine's next poll. A hold
+makes the in-flight state last as long as the test needs: the copying side
+stops after a chosen number of slices (the planner's test-only slice hook) and
+goes on only when the test opens it, typically once it has seen the release.
+
+A hold is a private directory that the test and the copying process share, so
+the same hold works in this process (worker placement), in a ``kvstrata serve``
+child (server placement) and in an engine's spawned processes:
+
+* ``rules.json``: what to hold, written by the test (``SliceHold.hold``);
+* ``held-<request>``: written by the copying side when it starts holding;
+* ``open-<request or rule prefix>``: written by the test (``SliceHold.open``).
+
+Ways to install it, none reachable from production code:
+
+* this process: ``with SliceHold(directory).installed(): ...``;
+* a server child: ``ServerProcess(slice_hold=hold)``, which runs
+  ``python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...``;
+* an engine's processes: ``KVSTRATA_TEST_SLICE_HOLD=DIRECTORY`` plus a
+  ``sitecustomize`` on the engine's ``PYTHONPATH`` that calls
+  :func:`install_from_environment` (the vLLM tests ship one).
+
+A hold never hangs a run: after ``timeout`` seconds it logs an error and lets
+the transfer go on (the assertion that needed the hold then fails on its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger("kvstrata.testing.slice_hold")
+
+ENVIRONMENT_VARIABLE = "KVSTRATA_TEST_SLICE_HOLD"
+UNTIL_OPENED = "opened"
+UNTIL_ENGINE_WAITED = "engine_waited"
+"""Also opens once the engine side's JSON-lines record (``record_path``) shows a per-layer wait made while
+this request was in flight: the vLLM tests use it, where no test code runs inside the engine's step."""
+
+
+@dataclass(frozen=True)
+class HoldRule:
+    prefix: str
+    """Holds every transfer whose request id starts with this ("" = every transfer)."""
+    after_slices: int = 1
+    """Hold once this many slices are published (0: before the first; chunk-major has one slice)."""
+    until: str = UNTIL_OPENED
+    record_path: str | None = None
+    timeout: float = 120.0
+
+
+def _file_name(request_id: str) -> str:
+    return request_id.replace("/", "_").replace("\0", "_")
+
+
+class SliceHold:
+    """The test's handle on a hold directory, and the slice hook that honours it."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="kvstrata-hold-")
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._rules: list[HoldRule] = []
+        self._rules_stamp: tuple[int, int] | None = None
+        self._held_once: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    # --- the test's side ---------------------------------------------------------------------
+
+    def hold(self, prefix: str, after_slices: int = 1, *, until: str = UNTIL_OPENED, record_path: str | None = None,
+             timeout: float = 120.0) -> HoldRule:
+        """Hold transfers of requests starting with ``prefix`` once ``after_slices`` slices are published."""
+        if until not in (UNTIL_OPENED, UNTIL_ENGINE_WAITED):
+            raise ValueError(f"until must be {UNTIL_OPENED!r} or {UNTIL_ENGINE_WAITED!r}, got {until!r}")
+        if until == UNTIL_ENGINE_WAITED and not record_path:
+            raise ValueError(f"until={UNTIL_ENGINE_WAITED!r} needs the engine side's record_path")
+        rule = HoldRule(prefix, after_slices, until, record_path, timeout)
+        rules = [r for r in self._read_rules() if r.prefix != prefix] + [rule]
+        tmp = self.directory / f".rules-{os.getpid()}-{threading.get_ident()}"
+        tmp.write_text(json.dumps([asdict(r) for r in rules]))
+        os.replace(tmp, self.directory / "rules.json")
+        return rule
+
+    def open(self, name: str) -> None:
+        """Let the held transfer of request ``name`` go on (or every transfer of the rule with that prefix)."""
+        (self.directory / f"open-{_file_name(name)}").touch()
+
+    def open_all(self) -> None:
+        """Let every transfer any rule holds, or will hold, go on (tear-down)."""
+        for rule in self._read_rules():
+            self.open(rule.prefix)
+
+    def is_held(self, request_id: str) -> bool:
+        return (self.directory / f"held-{_file_name(request_id)}").exists()
+
+    def wait_held(self, request_id: str, timeout: float = 60.0) -> None:
+        """Block until the copying side holds ``request_id`` (bounded: only catches a hang)."""
+        deadline = time.monotonic() + timeout
+        while not self.is_held(request_id):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer {request_id} was not held within {timeout:.0f}s")
+            time.sleep(0.001)
+
+    def held_at(self, request_id: str) -> int:
+        """How many slices the held transfer had published when it stopped."""
+        return int((self.directory / f"held-{_file_name(request_id)}").read_text())
+
+    # --- the copying side --------------------------------------------------------------------
+
+    def install(self) -> None:
+        from kvstrata.core import planner
+
+        if planner._slice_hook is not None:
+            raise RuntimeError("a slice hold is already installed in this process")
+        planner._slice_hook = self.on_slice
+
+    def uninstall(self) -> None:
+        from kvstrata.core import planner
+
+        if planner._slice_hook == self.on_slice:
+            planner._slice_hook = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["SliceHold"]:
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
+
+    def on_slice(self, request_id: str, slices: int) -> None:
+        """The planner's slice hook: blocks while a rule holds ``request_id`` at ``slices``."""
+        for rule in self._read_rules():
+            if request_id.startswith(rule.prefix) and slices == rule.after_slices:
+                with self._lock:
+                    if (rule.prefix, request_id) in self._held_once:
+                        continue
+                    self._held_once.add((rule.prefix, request_id))
+                self._hold(rule, request_id, slices)
+
+    def _hold(self, rule: HoldRule, request_id: str, slices: int) -> None:
+        name = _file_name(request_id)
+        marker = self.directory / f"held-{name}"
+        marker.write_text(str(slices))
+        log.info("holding transfer %s after %d slice(s) (test-only slice hold %s)", request_id, slices,
+                 self.directory)
+        opened = (self.directory / f"open-{name}", self.directory / f"open-{_file_name(rule.prefix)}")
+        deadline = time.monotonic() + rule.timeout
+        while not any(p.exists() for p in opened):
+            if rule.until == UNTIL_ENGINE_WAITED and _engine_waited(rule.record_path, request_id):
+                break
+            if time.monotonic() > deadline:
+                log.error("slice hold on %s was never opened within %.0fs; letting it go on", request_id,
+                          rule.timeout)
+                break
+            time.sleep(0.001)
+        log.info("transfer %s goes on after the test-only slice hold", request_id)
+
+    def _read_rules(self) -> list[HoldRule]:
+        path = self.directory / "rules.json"
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return []
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._rules_stamp:
+            self._rules = [HoldRule(**r) for r in json.loads(path.read_text())]
+            self._rules_stamp = stamp
+        return self._rules
+
+
+def _engine_waited(record_path: str | None, request_id: str) -> bool:
+    """True once the record shows a ``wait_for_layer_load`` with ``request_id`` among the transfers in flight."""
+    try:
+        with open(record_path) as f:
+            for line in f:
+                if '"wait_for_layer_load"' in line and request_id in line:
+                    event = json.loads(line)
+                    if event.get("event") == "wait_for_layer_load" and request_id in event.get("in_flight", ()):
+                        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def install_from_environment() -> SliceHold | None:
+    """Install the hold named by ``KVSTRATA_TEST_SLICE_HOLD`` in this process, if it names one."""
+    directory = os.environ.get(ENVIRONMENT_VARIABLE)
+    if not directory:
+        return None
+    hold = SliceHold(directory)
+    hold.install()
+    return hold
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...``: a server with the hold installed."""
+    if len(argv) < 2:
+        print("usage: python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...", file=sys.stderr)
+        return 2
+    SliceHold(argv[0]).install()
+    from kvstrata.cli import main as cli_main
+
+    return cli_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
