@@ -50,6 +50,9 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
             f"the RETRIEVE's block_ids {payload[2]!r} are not the blocks the engine allocated {r.blocks!r}")
     if req.reply is None and not replied:
         return payload
+    if req.reply is None:
+        # a worker may settle on the board's "complete" word before the reply reaches the proxy: wait for it
+        rig.proxy.wait_for(lambda: req.reply is not None, REPLY_TIMEOUT)
     require(req.reply is not None and req.reply.ok, "retrieve-payload",
             f"the server rejected the adapter's RETRIEVE: {req.reply.value if req.reply else 'no reply'}")
     return payload
@@ -64,6 +67,7 @@ def read_every_layer(rig: Rig, r: Retrieval, context: str) -> None:
 
 
 RELEASE_TIMEOUT = 10.0
+REPLY_TIMEOUT = 20.0
 BLOCKED_FOR = 0.4
 """How long a wait for a layer that has not landed must stay blocked to count as waiting."""
 

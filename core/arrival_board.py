@@ -5,8 +5,12 @@ A per-layer completion event says "these bytes are on the device" but cannot say
 the server raises a count here *after* it records a slice's events, and the
 worker trusts an event only once the count covers its layer.
 
-One slot per in-flight retrieve, each on its own 64-byte cache line, one writer
-(the server) and one reader (the worker), so neither side takes a lock. The
+The segment starts with the control header every segment the server writes into
+carries (``kvstrata.core.shm``: magic, version, kind, slot count, slot size); the
+server maps a board only once that header says it is one, and bounds-checks every
+slot index against it. Then one slot per in-flight retrieve, each on its own
+64-byte cache line, one writer (the server) and one reader (the worker), so
+neither side takes a lock. The
 slot's only word packs everything the reader needs into one aligned 8-byte
 store, which is atomic on the platforms we run on:
 
@@ -20,10 +24,11 @@ store, which is atomic on the platforms we run on:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .shm import Segment
+from .shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, attach_control_segment, create_control_segment
 
 SLOT_BYTES = 64
 _WORDS_PER_SLOT = SLOT_BYTES // 8
@@ -61,21 +66,20 @@ class ArrivalBoard:
     def __init__(self, segment: Segment, num_slots: int) -> None:
         self.segment = segment
         self.num_slots = num_slots
-        self._words = np.frombuffer(segment.buf, dtype=np.uint64, count=num_slots * _WORDS_PER_SLOT)
+        self._words = np.frombuffer(segment.buf, dtype=np.uint64, count=num_slots * _WORDS_PER_SLOT,
+                                    offset=CONTROL_HEADER_BYTES)
 
     @classmethod
     def create(cls, num_slots: int) -> "ArrivalBoard":
         if num_slots <= 0:
             raise ValueError("an arrival board needs at least one slot")
-        return cls(Segment.create("board", num_slots * SLOT_BYTES), num_slots)
+        return cls(create_control_segment(SegmentKind.ARRIVAL_BOARD, num_slots, SLOT_BYTES), num_slots)
 
     @classmethod
     def attach(cls, name: str) -> "ArrivalBoard":
-        seg = Segment.attach(name)
-        if seg.size % SLOT_BYTES:
-            seg.close()
-            raise ValueError(f"segment {name} is {seg.size} bytes, not a whole number of board slots")
-        return cls(seg, seg.size // SLOT_BYTES)
+        """Map the board a request names; raises SegmentKindError if the segment is not an arrival board."""
+        seg = attach_control_segment(name, SegmentKind.ARRIVAL_BOARD, slot_bytes=SLOT_BYTES)
+        return cls(seg, (seg.size - CONTROL_HEADER_BYTES) // SLOT_BYTES)
 
     @property
     def name(self) -> str:
@@ -85,10 +89,18 @@ class ArrivalBoard:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"board {self.name} has {self.num_slots} slots, slot {slot} asked")
 
+    def check_ref(self, slot: Any, generation: Any) -> None:
+        """Raise ValueError unless (slot, generation) can name a retrieve on this board (checked before any
+        write: a request naming a slot past the end or a generation that does not fit writes nothing)."""
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"arrival board {self.name} has {self.num_slots} slots; slot {slot!r} is not one")
+        if not isinstance(generation, int) or not 0 < generation <= MAX_GENERATION:
+            raise ValueError(f"arrival board generation {generation!r} is not in [1, {MAX_GENERATION}]")
+
     def word_offset(self, slot: int) -> int:
         """Byte offset of ``slot``'s word in the segment: where a device may store it (see publish())."""
         self._check(slot)
-        return slot * SLOT_BYTES
+        return CONTROL_HEADER_BYTES + slot * SLOT_BYTES
 
     # writer side (server)
     def publish(self, slot: int, generation: int, layers: int, *, complete: bool = False) -> None:

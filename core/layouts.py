@@ -135,6 +135,12 @@ class PagedKVLayout:
         need(len(self.offsets) == self.num_layers,
              f"offsets lists {len(self.offsets)} layers, num_layers is {self.num_layers}")
         need(len(self.regions) > 0, "no memory regions")
+        for name in ("block_stride", "token_stride", "head_stride"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        for i, region in enumerate(self.regions):
+            need(region.size > 0, f"region {i} has size {region.size}")
+        # With positive strides the highest byte any (block, token, head) reaches is off + span - 1, the
+        # lowest off: both inside the region means every byte a copy can address is.
         span = ((self.num_blocks - 1) * self.block_stride + (self.block_size - 1) * self.token_stride
                 + (self.num_heads - 1) * self.head_stride + self.head_bytes)
         for l, per_kv in enumerate(self.offsets):

@@ -184,6 +184,8 @@ def _describe(value: Any) -> str:
         return f"list[{' | '.join(inner) or 'empty'}]"
     if isinstance(value, dict):
         return f"map with keys {sorted(map(str, value))}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{type(value).__name__} {value!r}"  # the value itself: "must be int >= 0, got int -1"
     return type(value).__name__
 
 

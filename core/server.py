@@ -23,7 +23,7 @@ from .l1_store import L1Store, StoreFull, StoredObject
 from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from .protocol import RequestType
 from .targets import Completion, HostSignal, Target, open_target
-from .shm import sweep_stale_segments
+from .shm import SegmentKindError, sweep_stale_segments
 from .transport import Deferred, Server, hands_over_turn
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,26 @@ class _Instance:
     layout: PagedKVLayout
     placement: str
     target: Target
+    owner: bytes | None
+    """The connection that registered it (its routing id): the only one that may use or unregister it.
+    None when registered from inside the server process (tests calling handlers directly)."""
 
 
 class RequestError(ValueError):
     """A well-formed request that cannot be served (unknown instance, bad block ids, ...)."""
+
+
+@dataclass
+class _RetrievePlan:
+    """A checked server-placement retrieve, ready to copy."""
+
+    objects: list[StoredObject]
+    job: planner.TransferJob
+    events: list[Any] | None
+    end_events: list[Any] | None
+    """The engine's event to record after every copy (RETRIEVE's event_handle), opened."""
+    width: int
+    fallback: str | None
 
 
 class CacheServer:
@@ -118,14 +134,23 @@ class CacheServer:
                 "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
-        placement = descriptor["placement"]
+        caller = self.transport.current_client()
+        with self._lock:
+            held = self._instances.get(instance_id)
+        if held is not None and not self._may_replace(held, caller):
+            raise RequestError(f"instance {instance_id} is registered by another connection, which is still "
+                               "connected; register this cache under another instance id")
+        placement = descriptor.get("placement") if isinstance(descriptor, dict) else None
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
         layout = PagedKVLayout.from_wire(descriptor)
-        target = open_target(layout, self.store.pool)
+        target = open_target(layout, self.store.pool, pool_segment=self.store.segment)
         with self._lock:
-            old = self._instances.pop(instance_id, None)
-            self._instances[instance_id] = _Instance(instance_id, layout, placement, target)
+            old = self._instances.get(instance_id)
+            if old is not None and not self._may_replace(old, caller):
+                target.close()
+                raise RequestError(f"instance {instance_id} was registered by another connection meanwhile")
+            self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller)
         if old is not None:
             old.target.close()
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
@@ -142,11 +167,18 @@ class CacheServer:
         return {"instance_id": instance_id, "chunk_size": self.config.chunk_size, "device": target.device,
                 "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
 
+    def _may_replace(self, held: _Instance, caller: bytes | None) -> bool:
+        """A registration may be replaced by the connection that made it, or once that connection is gone
+        (an engine that restarted registers its cache again under the same id)."""
+        return held.owner is None or held.owner == caller or not self.transport.is_connected(held.owner)
+
     def unregister_kv_cache(self, instance_id: int) -> bool:
         with self._lock:
-            inst = self._instances.pop(instance_id, None)
-        if inst is None:
-            return False
+            inst = self._instances.get(instance_id)
+            if inst is None:
+                return False
+            self._check_owner(inst)
+            del self._instances[instance_id]
         inst.target.close()
         log.info("unregistered instance %d", instance_id)
         return True
@@ -176,6 +208,8 @@ class CacheServer:
         ck = CacheKey.from_wire(key)
         n = ck.num_tokens
         layout = inst.layout
+        if not 0 <= skip_first_n_tokens <= n:
+            raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's tokens)")
         layout.check_block_ids(block_ids, n)
         cs = self.config.chunk_size
         digests = ck.iter_chunk_hashes(cs)  # hashed as the loop goes: the first copy waits for one digest
@@ -244,19 +278,29 @@ class CacheServer:
         ck = CacheKey.from_wire(key)
         board: ArrivalBoard | None = None
         keep_locks = False
+        copying = False
         try:
+            # Everything is checked before anything is written: a rejected RETRIEVE writes no board word,
+            # no cache byte and no mailbox slot.
             inst = self._instance(instance_id)
+            if not 0 <= skip_first_n_tokens <= ck.num_tokens:
+                raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {ck.num_tokens}] "
+                                   "(the key's tokens)")
+            if layers_per_stage < 0:
+                raise RequestError(f"layers_per_stage must be >= 0 (0: chunk-major), got {layers_per_stage}")
             if arrival_board is not None:
-                board = self._board(arrival_board["name"])
+                board = self._board(arrival_board)
             if inst.placement == PLACEMENT_WORKER:
                 result = self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
                 keep_locks = True  # the worker copies now; FREE_LOOKUP_LOCKS or END_SESSION unpins
                 return result
-            done, settle = self._retrieve_into_cache(ck, inst, block_ids, event_handle, skip_first_n_tokens,
-                                                     board, arrival_board, layer_event_handles, layers_per_stage)
+            plan = self._plan_retrieve(ck, inst, block_ids, skip_first_n_tokens, board, event_handle,
+                                       layer_event_handles, layers_per_stage)
+            copying = True  # from here on a failure is the transfer's, reported on its (verified) board
+            done, settle = self._retrieve_into_cache(ck, inst, board, arrival_board, plan)
             keep_locks = True  # from here the settle below releases them, however it ends
         except Exception:
-            if board is not None and arrival_board is not None:
+            if copying and board is not None:
                 board.fail(arrival_board["slot"], arrival_board["generation"])
             raise
         finally:
@@ -310,30 +354,39 @@ class CacheServer:
                 "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects],
                 "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
 
-    def _retrieve_into_cache(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
-                             event_handle: bytes | None, skip: int, board: ArrivalBoard | None,
-                             board_ref: dict[str, Any] | None, layer_event_handles: list[bytes] | None,
-                             layers_per_stage: int) -> tuple[Completion, Callable[[], dict[str, Any]]]:
-        """Enqueue the transfer; returns its completion and the settle that finishes it once that is done."""
+    def _plan_retrieve(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]], skip: int,
+                       board: ArrivalBoard | None, event_handle: bytes | None,
+                       layer_event_handles: list[bytes] | None, layers_per_stage: int) -> "_RetrievePlan":
+        """Check a server-placement retrieve and plan it; raises before anything is written."""
         layout = inst.layout
         n = ck.num_tokens
-        if skip > n:
-            raise RequestError(f"skip_first_n_tokens {skip} exceeds the key's {n} tokens")
         layout.check_block_ids(block_ids, n)
+        if layer_event_handles is not None and len(layer_event_handles) != layout.num_layers:
+            raise RequestError(f"layer_event_handles lists {len(layer_event_handles)} events, the cache has "
+                               f"{layout.num_layers} layers")
         objects = self._locked_objects(ck, layout)
         copies = planner.plan_copies([o.num_tokens for o in objects], self.config.chunk_size, 0, skip)
         job = planner.TransferJob(layout, block_ids, copies)
-        target = inst.target
-        events = target.open_layer_events(layer_event_handles)
+        events = inst.target.open_layer_events(layer_event_handles)
+        end_events = inst.target.open_layer_events([event_handle]) if event_handle is not None else None
         width = layers_per_stage
         fallback = None
         if width > 0:
             if board is None:
                 raise RequestError("layers_per_stage > 0 needs an arrival board reference")
-            fallback = planner.layer_major_fallback_reason(layout, native_available=target.native_available)
+            fallback = planner.layer_major_fallback_reason(layout, native_available=inst.target.native_available)
             if fallback is not None:
                 planner.log_fallback_once(fallback)
                 width = 0
+        return _RetrievePlan(objects, job, events, end_events, width, fallback)
+
+    def _retrieve_into_cache(self, ck: CacheKey, inst: _Instance,
+                             board: ArrivalBoard | None, board_ref: dict[str, Any] | None,
+                             plan: "_RetrievePlan") -> tuple[Completion, Callable[[], dict[str, Any]]]:
+        """Enqueue the transfer; returns its completion and the settle that finishes it once that is done."""
+        layout = inst.layout
+        target = inst.target
+        objects, job, events, width, fallback = plan.objects, plan.job, plan.events, plan.width, plan.fallback
 
         def on_layer_batch(layer_start: int, layer_count: int) -> None:
             # Record the slice's events first, publish the count last: the count is
@@ -353,8 +406,8 @@ class CacheServer:
             planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id)
         finally:
             executor.close()
-        if event_handle is not None:
-            target.record(target.open_layer_events([event_handle]))
+        if plan.end_events is not None:
+            target.record(plan.end_events)
         reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
                  "objects": None, "pool": None}
         done = target.completion(self._end_signals(board, board_ref, layout.num_layers, reply))
@@ -393,16 +446,39 @@ class CacheServer:
     # --- helpers ---------------------------------------------------------------------
 
     def _instance(self, instance_id: int) -> _Instance:
+        """The caller's registered instance ``instance_id``; another connection's is refused."""
         with self._lock:
             inst = self._instances.get(instance_id)
         if inst is None:
             raise RequestError(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
+        self._check_owner(inst)
         return inst
 
-    def _board(self, name: str) -> ArrivalBoard:
+    def _check_owner(self, inst: _Instance) -> None:
+        caller = self.transport.current_client()
+        if inst.owner is not None and caller is not None and caller != inst.owner:
+            raise RequestError(f"instance {inst.instance_id} belongs to another connection (the one that "
+                               "registered it); this client may not use or unregister it")
+
+    def _board(self, ref: dict[str, Any]) -> ArrivalBoard:
+        """The arrival board a RETRIEVE names, mapped only once its header says it is one, with the slot and
+        generation checked against it (see ``kvstrata.core.shm``); raises before writing anything."""
+        if not isinstance(ref, dict) or not isinstance(ref.get("name"), str):
+            raise RequestError(f"arrival_board must be {{'name', 'slot', 'generation'}}, got {ref!r}")
+        name = ref["name"]
+        if name == self.store.segment.name:
+            raise RequestError(f"arrival board {name} is the server's own L1 pool, not an arrival board")
         with self._lock:
             board = self._boards.get(name)
-            if board is None:
+        if board is None:
+            try:
                 board = ArrivalBoard.attach(name)
-                self._boards[name] = board
-            return board
+            except (SegmentKindError, ValueError, OSError) as exc:
+                raise RequestError(f"arrival board refused: {exc}") from None
+            with self._lock:
+                board = self._boards.setdefault(name, board)
+        try:
+            board.check_ref(ref.get("slot"), ref.get("generation"))
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        return board

@@ -9,6 +9,7 @@ unlinks a segment it does not own when it exits; the creator unlinks explicitly.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import mmap
 import os
@@ -101,9 +102,16 @@ class Segment:
                 os.close(fd)
                 raise PermissionError(f"segment {name} is readable by other users (mode {oct(st.st_mode)})")
             size = st.st_size if size <= 0 else size
+            if size <= 0:
+                os.close(fd)
+                raise ValueError(f"segment {name} is empty")
             if st.st_size < size:
                 os.close(fd)
                 raise ValueError(f"segment {name} holds {st.st_size} bytes, fewer than the {size} expected")
+        st = os.fstat(fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        """Which file this is, whatever name it was opened by (a second name for the same memory is no
+        disguise: the server compares this, not names, to refuse writing into its own L1 pool)."""
         try:
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
@@ -150,3 +158,99 @@ class Segment:
         self.close()
         if self.owner:
             self.unlink()
+
+
+# --- control segments: what the server may write into -------------------------------------------------
+
+
+class SegmentKind(enum.IntEnum):
+    """What a control segment is for; stamped in its header by the process that creates it."""
+
+    ARRIVAL_BOARD = 1
+    REQUEST_RING = 2
+    REPLY_RING = 3
+    MAILBOX = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", " ")
+
+    @property
+    def a_label(self) -> str:
+        return ("an " if self.label[0] in "aeiou" else "a ") + self.label
+
+
+CONTROL_MAGIC = int.from_bytes(b"KVSTRATA", "little")
+CONTROL_VERSION = 1
+CONTROL_HEADER_BYTES = 64
+"""Every control segment (arrival board, rings, mailbox) starts with this header; its slots follow.
+
+    word 0   magic  b"KVSTRATA" (written last: the segment is attachable once its geometry is there)
+    word 1   version (low 32 bits) | kind (high 32 bits)
+    word 2   slot count
+    word 3   slot bytes
+"""
+
+
+class SegmentKindError(ValueError):
+    """A segment named as a control segment is not one, or is one of another kind or geometry."""
+
+
+def create_control_segment(kind: SegmentKind, slots: int, slot_bytes: int) -> Segment:
+    """A new private segment of ``slots`` slots of ``slot_bytes`` after the header, the header written."""
+    seg = Segment.create(kind.name.lower().replace("_", "-"), CONTROL_HEADER_BYTES + slots * slot_bytes)
+    words = (ctypes.c_uint64 * 4).from_buffer(seg._mmap)
+    words[1] = CONTROL_VERSION | (int(kind) << 32)
+    words[2], words[3] = slots, slot_bytes
+    words[0] = CONTROL_MAGIC
+    del words
+    return seg
+
+
+def read_control_header(seg: Segment) -> tuple[SegmentKind, int, int] | None:
+    """(kind, slots, slot bytes) from a segment's header, or None if it carries no kvstrata control header."""
+    if seg.size < CONTROL_HEADER_BYTES:
+        return None
+    magic, version_kind, slots, slot_bytes = (int.from_bytes(seg.buf[i:i + 8], "little") for i in range(0, 32, 8))
+    if magic != CONTROL_MAGIC or version_kind & 0xFFFFFFFF != CONTROL_VERSION:
+        return None
+    try:
+        kind = SegmentKind(version_kind >> 32)
+    except ValueError:
+        return None
+    return kind, slots, slot_bytes
+
+
+def attach_control_segment(name: str, kind: SegmentKind, *, slots: int | None = None,
+                           slot_bytes: int | None = None) -> Segment:
+    """Map a control segment a request names, only if its header says it is a ``kind`` of that geometry.
+
+    The name comes off the wire, and this user's other segments (the L1 pool, an
+    engine's cache) are just as mappable: so nothing is written before the
+    header's magic, version, kind and geometry (slot count and size, matching the
+    segment's size exactly) are all checked. Raises SegmentKindError naming what
+    the segment is instead.
+    """
+    try:
+        seg = Segment.attach(name)
+    except FileNotFoundError:
+        raise SegmentKindError(f"no shared-memory segment {name}: its creator is not on this host, or has "
+                               "closed it") from None
+    try:
+        header = read_control_header(seg)
+        if header is None:
+            raise SegmentKindError(f"segment {name} is not a kvstrata {kind.label}: it carries no kvstrata control "
+                                   "header (an engine cache, an L1 pool or some other segment)")
+        found, found_slots, found_bytes = header
+        if found is not kind:
+            raise SegmentKindError(f"segment {name} is {found.a_label}, not {kind.a_label}")
+        if seg.size != CONTROL_HEADER_BYTES + found_slots * found_bytes or found_slots < 1 or found_bytes < 8:
+            raise SegmentKindError(f"{kind.label} {name}: its header's {found_slots} slots of {found_bytes} bytes "
+                                   f"do not match its {seg.size} bytes")
+        if (slots is not None and found_slots != slots) or (slot_bytes is not None and found_bytes != slot_bytes):
+            raise SegmentKindError(f"{kind.label} {name} has {found_slots} slots of {found_bytes} bytes, the "
+                                   f"request said {slots} of {slot_bytes}")
+    except BaseException:
+        seg.close()
+        raise
+    return seg

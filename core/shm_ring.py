@@ -20,7 +20,7 @@ costs only the speed-up; the rings need no flow control and no acknowledgements.
 
 Layout (one writer, one reader)::
 
-    header   64 bytes: magic, slot count, slot bytes
+    header   64 bytes: the control header (``kvstrata.core.shm``: magic, version, kind, slot count, slot bytes)
     slot i   slot_bytes each: sequence (u64) | length (u64) | frame
 
 Each slot is a sequence lock. The writer stores 0 in the sequence, then the
@@ -35,18 +35,17 @@ memory models).
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from typing import Any
 
 import numpy as np
 
-from .shm import Segment
+from .shm import (CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, attach_control_segment,
+                  create_control_segment)
 
 log = logging.getLogger(__name__)
 
-MAGIC = int.from_bytes(b"KVSRING1", "little")
-HEADER_BYTES = 64
+HEADER_BYTES = CONTROL_HEADER_BYTES
 SLOT_HEADER_BYTES = 16
 REPLY_SLOTS, REPLY_SLOT_BYTES = 64, 1024
 """Transfer and lookup replies are under 200 bytes; a worker-placement retrieve's object list may not fit,
@@ -55,7 +54,6 @@ REQUEST_SLOTS, REQUEST_SLOT_BYTES = 4, 1 << 20
 """A RETRIEVE carries its prompt's token ids, 8 bytes each: up to about 120k tokens fit a slot."""
 MAX_RING_BYTES = 16 << 20
 
-_NAME = re.compile(r"^kvstrata-ring-\d+-[0-9a-f]{8}$")
 
 
 class RingError(ValueError):
@@ -92,38 +90,24 @@ class SlotRing:
         """Reader: frames the writer overwrote before they were read (they arrive over ZMQ)."""
 
     @classmethod
-    def create(cls, slots: int, slot_bytes: int) -> "SlotRing":
+    def create(cls, slots: int, slot_bytes: int, kind: SegmentKind) -> "SlotRing":
         _check_geometry(slots, slot_bytes)
-        seg = Segment.create("ring", HEADER_BYTES + slots * slot_bytes)
-        words = np.frombuffer(seg.buf, dtype=np.uint64, count=3)
-        words[1], words[2] = slots, slot_bytes
-        words[0] = MAGIC  # last: a ring is attachable once its geometry is written
-        del words
-        return cls(seg, slots, slot_bytes)
+        return cls(create_control_segment(kind, slots, slot_bytes), slots, slot_bytes)
 
     @classmethod
-    def attach(cls, ref: dict[str, Any]) -> "SlotRing":
-        """Map the ring a client named; refuses anything but a kvstrata ring of the declared geometry.
+    def attach(cls, ref: dict[str, Any], kind: SegmentKind) -> "SlotRing":
+        """Map the ring a client named; refuses anything but a kvstrata ``kind`` of the declared geometry.
 
         The name comes off the wire: writing into some other segment this user
-        owns would corrupt it, so the name pattern and the header's magic and
-        geometry must all match before the server touches a byte.
+        owns would corrupt it, so the header's magic, version, kind and geometry
+        must all match before the server touches a byte.
         """
         name, slots, slot_bytes = ref["name"], ref["slots"], ref["slot_bytes"]
-        if not _NAME.match(name):
-            raise RingError(f"{name!r} is not a kvstrata ring name (kvstrata-ring-PID-HEX)")
         _check_geometry(slots, slot_bytes)
         try:
-            seg = Segment.attach(name, HEADER_BYTES + slots * slot_bytes)
-        except FileNotFoundError:
-            raise RingError(f"no shared-memory segment {name}: the client is not on this host, or "
-                            "has closed it") from None
-        header = np.frombuffer(seg.buf, dtype=np.uint64, count=3)
-        found = (int(header[0]), int(header[1]), int(header[2]))
-        del header
-        if found != (MAGIC, slots, slot_bytes):
-            seg.close()
-            raise RingError(f"segment {name} is not a kvstrata ring of {slots} slots of {slot_bytes} bytes")
+            seg = attach_control_segment(name, kind, slots=slots, slot_bytes=slot_bytes)
+        except (SegmentKindError, ValueError, OSError) as exc:
+            raise RingError(str(exc)) from None
         return cls(seg, slots, slot_bytes)
 
     @property
@@ -251,6 +235,14 @@ class Mailbox(SlotRing):
     the ring and ZMQ, and whichever copy comes first resolves the request; the
     server reuses a slot only after that reply went out.
     """
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int, kind: SegmentKind = SegmentKind.MAILBOX) -> "Mailbox":
+        return super().create(slots, slot_bytes, kind)  # type: ignore[return-value]
+
+    @classmethod
+    def attach(cls, ref: dict[str, Any], kind: SegmentKind = SegmentKind.MAILBOX) -> "Mailbox":
+        return super().attach(ref, kind)  # type: ignore[return-value]
 
     def word_offset(self, index: int) -> int:
         """Byte offset in the segment of slot ``index``'s word."""

@@ -18,7 +18,7 @@ import torch
 from .l1_store import StoredObject, object_view
 from .layouts import PagedKVLayout, LayoutError
 from .planner import Executor
-from .shm import Segment
+from .shm import Segment, read_control_header
 
 
 @dataclass(frozen=True)
@@ -109,17 +109,27 @@ class ShmTarget:
     native_available = True
     enqueues = False
 
-    def __init__(self, layout: PagedKVLayout, pool: torch.Tensor) -> None:
+    def __init__(self, layout: PagedKVLayout, pool: torch.Tensor, pool_segment: Segment | None = None) -> None:
+        """``pool_segment``: the server's own L1 pool, which no region may name (checked by file, not name)."""
         self.layout = layout
         self.pool = pool
         self._segments: list[Segment] = []
         self.regions: list[torch.Tensor] = []
         try:
-            for r in layout.regions:
+            for index, r in enumerate(layout.regions):
                 if r.kind != "shm":
                     raise LayoutError(f"region kind {r.kind!r} cannot be mixed into a shared-memory target")
-                seg = Segment.attach(r.name, r.size)
+                try:
+                    seg = Segment.attach(r.name, r.size)
+                except (OSError, ValueError) as exc:
+                    raise LayoutError(f"region {index} ({r.name!r}, {r.size} bytes) cannot be opened: {exc}") \
+                        from None
                 self._segments.append(seg)
+                if pool_segment is not None and seg.file_id == pool_segment.file_id:
+                    raise LayoutError(f"region {index} ({r.name}) is the server's own L1 pool, not an engine cache")
+                header = read_control_header(seg)
+                if header is not None:
+                    raise LayoutError(f"region {index} ({r.name}) is {header[0].a_label}, not an engine cache")
                 self.regions.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=r.size))
         except BaseException:
             self.close()
@@ -155,11 +165,11 @@ class ShmTarget:
         self._segments.clear()
 
 
-def open_target(layout: PagedKVLayout, pool: torch.Tensor) -> Target:
-    """The target for a descriptor's memory regions."""
+def open_target(layout: PagedKVLayout, pool: torch.Tensor, pool_segment: Segment | None = None) -> Target:
+    """The target for a descriptor's memory regions (``pool_segment``: the server's L1 pool, refused as one)."""
     kinds = {r.kind for r in layout.regions}
     if kinds == {"shm"}:
-        return ShmTarget(layout, pool)
+        return ShmTarget(layout, pool, pool_segment)
     if kinds == {"cuda_ipc"}:
         try:
             from kvstrata.native.cuda_target import CudaIpcTarget

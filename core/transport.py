@@ -43,6 +43,7 @@ import collections
 import itertools
 import logging
 import os
+import secrets
 import select
 import stat
 import tempfile
@@ -56,7 +57,7 @@ import zmq
 
 from . import codec
 from .protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
-from .shm import Segment
+from .shm import Segment, SegmentKind
 from .shm_ring import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
                        REQUEST_SLOTS, Mailbox, SlotRing)
 
@@ -222,6 +223,23 @@ class SharedSocket:
                 self._poll.poll(timeout_ms)
         with self._lock:
             self._drain()
+
+    def reachable(self, identity: bytes, frame: bytes) -> bool:
+        """ROUTER only: send ``frame`` to ``identity`` if it is connected; whether it was."""
+        with self._lock:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # for this send only: unroutable raises
+            try:
+                self.sock.send_multipart([identity, frame], zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                return True  # connected, its queue full
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return False
+                raise
+            finally:
+                self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+                self._drain()
 
     def try_drain(self) -> None:
         """Drain without waiting, unless another thread holds the socket (it drains then)."""
@@ -472,7 +490,7 @@ class Server:
                         request, lambda: self._attach_rings(identity, request.request_id, *request.payload)))
                     continue
                 if not DECLARATIONS[request.request_type].blocking:
-                    reply = self._run(request)
+                    reply = self._run(request, identity)
                     self._send(identity, self._settle(request, reply) if isinstance(reply, Deferred) else reply)
                     continue
                 with self._work:
@@ -644,7 +662,7 @@ class Server:
         self._local.request, self._local.mail = (identity, request.request_id), None
         try:
             try:
-                reply = self._run(request)
+                reply = self._run(request, identity)
             finally:
                 mail, self._local.request, self._local.mail = self._local.mail, None, None
             if isinstance(reply, Deferred):
@@ -714,10 +732,10 @@ class Server:
     def _attach_rings(self, identity: bytes, request_id: int, replies: dict[str, Any],
                       requests: dict[str, Any] | None, mailbox: dict[str, Any] | None) -> bool:
         """ATTACH_RINGS: map the sender's rings; from its next request on, they carry copies of its frames."""
-        peer = _Peer(SlotRing.attach(replies), None, None, request_id + 1)
+        peer = _Peer(SlotRing.attach(replies, SegmentKind.REPLY_RING), None, None, request_id + 1)
         try:
             if requests is not None:
-                peer.requests = SlotRing.attach(requests)
+                peer.requests = SlotRing.attach(requests, SegmentKind.REQUEST_RING)
             if mailbox is not None:
                 peer.mailbox = Mailbox.attach(mailbox)
                 peer.mail_free = list(range(peer.mailbox.slots))
@@ -739,9 +757,25 @@ class Server:
                   peer.requests.name if peer.requests is not None else None)
         return True
 
-    def _run(self, request: codec.Request) -> bytes | Deferred:
+    def _run(self, request: codec.Request, identity: bytes) -> bytes | Deferred:
         handler = self._handlers[request.request_type]
-        return self._reply(request, lambda: handler(*request.payload))
+        self._local.client = identity
+        try:
+            return self._reply(request, lambda: handler(*request.payload))
+        finally:
+            self._local.client = None
+
+    def current_client(self) -> bytes | None:
+        """The connection whose request this thread's handler is serving (its ZMQ routing id), or None.
+
+        Handlers use it to tie what a client registers to that client (see ``CacheServer``)."""
+        return getattr(self._local, "client", None)
+
+    def is_connected(self, identity: bytes) -> bool:
+        """Whether the client ``identity`` is still connected: a frame it ignores (a reply to request 0,
+        which no client sends) is routed to it, and ZMQ says at once if it has no such peer."""
+        assert self._sock is not None
+        return self._sock.reachable(identity, codec.encode_reply(0, True, None))
 
     def _settle(self, request: codec.Request, deferred: Deferred) -> bytes:
         reply = self._reply(request, deferred.settle)
@@ -773,6 +807,9 @@ class Client:
         self._ctx = zmq.Context()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # A routing id of our own, kept across reconnects: the server ties what this client registers to it,
+        # and a socket that reconnects is still the same client. Random, so no other client can claim it.
+        dealer.setsockopt(zmq.ROUTING_ID, b"kvstrata-" + secrets.token_bytes(12))
         dealer.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
         dealer.connect(address)
         self._sock = SharedSocket(dealer)
@@ -884,8 +921,9 @@ class Client:
             log.info("shared-memory rings off (%s=%s): frames to and from %s travel over ZMQ only", _RINGS_ENV,
                      setting, self.address)
             return False
-        replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES)
-        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES) if setting != "replies" else None
+        replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES, SegmentKind.REPLY_RING)
+        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES, SegmentKind.REQUEST_RING) \
+            if setting != "replies" else None
         mailbox = Mailbox.create(MAILBOX_SLOTS, MAILBOX_SLOT_BYTES) if setting == "all" else None
         refs = [r.ref() if r is not None else None for r in (replies, requests, mailbox)]
         try:

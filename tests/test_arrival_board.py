@@ -6,6 +6,8 @@ import pytest
 
 from kvstrata.core.arrival_board import ArrivalBoard, NO_PROGRESS, SLOT_BYTES
 from kvstrata.core.arrival_pool import ArrivalPool
+from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, new_segment_name
+from kvstrata.core.shm_ring import SlotRing
 from kvstrata.core.events import HostEventBackend
 
 
@@ -30,7 +32,8 @@ def _monotonic_writer(name: str, slot: int, generation: int, layers: int, rounds
 def test_slots_sit_on_their_own_cache_lines():
     board = ArrivalBoard.create(4)
     try:
-        assert SLOT_BYTES == 64 and board.segment.size == 4 * 64
+        assert SLOT_BYTES == 64 and board.segment.size == CONTROL_HEADER_BYTES + 4 * 64
+        assert [board.word_offset(s) % 64 for s in range(4)] == [0] * 4
     finally:
         board.destroy()
 
@@ -88,10 +91,31 @@ def test_slot_reuse_with_generations_and_failure_cross_process():
 
 def test_board_attach_rejects_bad_segments_and_slots():
     board = ArrivalBoard.create(2)
+    ring = SlotRing.create(4, 128, SegmentKind.REQUEST_RING)
+    plain = Segment(new_segment_name("pool"), 4096, create=True)  # e.g. an L1 pool: any size, no header
     try:
         with pytest.raises(IndexError, match="has 2 slots, slot 5 asked"):
             board.publish(5, 1, 1)
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(SegmentKindError, match="no shared-memory segment"):
             ArrivalBoard.attach("kvstrata-board-does-not-exist")
+        with pytest.raises(SegmentKindError, match="carries no kvstrata control header"):
+            ArrivalBoard.attach(plain.name)
+        with pytest.raises(SegmentKindError, match="is a request ring, not an arrival board"):
+            ArrivalBoard.attach(ring.name)
+        attached = ArrivalBoard.attach(board.name)
+        try:
+            assert attached.num_slots == 2
+            with pytest.raises(ValueError, match="slot 2 is not one"):
+                attached.check_ref(2, 1)
+            with pytest.raises(ValueError, match="generation 0 is not in"):
+                attached.check_ref(0, 0)
+            with pytest.raises(ValueError, match="generation 4294967296 is not in"):
+                attached.check_ref(1, 1 << 32)
+            attached.check_ref(1, 7)
+        finally:
+            attached.close()
+        assert bytes(plain.buf[:64]) == bytes(64)  # nothing was written into what was refused
     finally:
         board.destroy()
+        ring.destroy()
+        plain.destroy()

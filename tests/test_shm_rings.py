@@ -18,7 +18,7 @@ from kvstrata.core.client import CacheClient
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
 from kvstrata.core.shm_ring import HEADER_BYTES, Mailbox, RingError, SlotRing
-from kvstrata.core.shm import Segment, new_segment_name
+from kvstrata.core.shm import Segment, SegmentKind, new_segment_name
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.transport import Client, Deferred, RemoteError, Server, _Peer
 from kvstrata.core.worker import LayerwiseWorker
@@ -29,8 +29,8 @@ from test_transport import handler_of_arity, started_server
 
 @pytest.fixture
 def ring_pair():
-    reader = SlotRing.create(slots=4, slot_bytes=128)
-    writer = SlotRing.attach(reader.ref())
+    reader = SlotRing.create(slots=4, slot_bytes=128, kind=SegmentKind.REPLY_RING)
+    writer = SlotRing.attach(reader.ref(), SegmentKind.REPLY_RING)
     yield reader, writer
     writer.close()
     reader.destroy()
@@ -77,26 +77,33 @@ def test_a_slot_being_rewritten_is_not_read(ring_pair):
     assert reader.take() == [b"first"]
 
 
-def test_attach_refuses_what_is_not_a_kvstrata_ring():
-    with pytest.raises(RingError, match="not a kvstrata ring name"):
-        SlotRing.attach({"name": "some-other-app-segment", "slots": 4, "slot_bytes": 128})
+def test_attach_refuses_what_is_not_a_kvstrata_ring_of_that_kind():
+    reply = SegmentKind.REPLY_RING
     with pytest.raises(RingError, match="no shared-memory segment"):
-        SlotRing.attach({"name": "kvstrata-ring-1-0000abcd", "slots": 4, "slot_bytes": 128})
+        SlotRing.attach({"name": "kvstrata-reply-ring-1-0000abcd", "slots": 4, "slot_bytes": 128}, reply)
     with pytest.raises(RingError, match="multiple of 64"):
-        SlotRing.attach({"name": "kvstrata-ring-1-0000abcd", "slots": 4, "slot_bytes": 100})
-    # a segment with a ring's name but no ring header: the server must not write into it
-    seg = Segment(new_segment_name("ring"), HEADER_BYTES + 4 * 128, create=True)
+        SlotRing.attach({"name": "kvstrata-reply-ring-1-0000abcd", "slots": 4, "slot_bytes": 100}, reply)
+    # a segment with a ring's name and size but no header: the server must not write into it
+    seg = Segment(new_segment_name("reply-ring"), HEADER_BYTES + 4 * 128, create=True)
     try:
-        with pytest.raises(RingError, match="is not a kvstrata ring of 4 slots"):
-            SlotRing.attach({"name": seg.name, "slots": 4, "slot_bytes": 128})
+        with pytest.raises(RingError, match="carries no kvstrata control header"):
+            SlotRing.attach({"name": seg.name, "slots": 4, "slot_bytes": 128}, reply)
     finally:
         seg.destroy()
-    ring = SlotRing.create(slots=4, slot_bytes=128)
-    try:  # a ring of another geometry than declared
-        with pytest.raises(RingError, match="is not a kvstrata ring of 2 slots"):
-            SlotRing.attach({"name": ring.name, "slots": 2, "slot_bytes": 128})
+    ring = SlotRing.create(slots=4, slot_bytes=128, kind=reply)
+    box = Mailbox.create(4, 128)
+    try:
+        with pytest.raises(RingError, match="has 4 slots of 128 bytes, the request said 2 of 128"):
+            SlotRing.attach({"name": ring.name, "slots": 2, "slot_bytes": 128}, reply)
+        with pytest.raises(RingError, match="is a reply ring, not a request ring"):
+            SlotRing.attach(ring.ref(), SegmentKind.REQUEST_RING)
+        with pytest.raises(RingError, match="is a reply ring, not a mailbox"):
+            Mailbox.attach(ring.ref())
+        with pytest.raises(RingError, match="is a mailbox, not a reply ring"):
+            SlotRing.attach(box.ref(), reply)
     finally:
         ring.destroy()
+        box.destroy()
 
 
 def ring_only_client(address: str) -> Client:
@@ -419,8 +426,9 @@ def test_a_polling_client_resolves_a_transfer_from_the_mailbox_before_the_server
 
 def test_a_retired_client_keeps_its_mailbox_mapped_while_a_transfer_holds_a_slot():
     box = Mailbox.create(2, 128)
-    replies = SlotRing.create(2, 128)
-    peer = _Peer(SlotRing.attach(replies.ref()), None, Mailbox.attach(box.ref()), 1, mail_free=[1])
+    replies = SlotRing.create(2, 128, SegmentKind.REPLY_RING)
+    peer = _Peer(SlotRing.attach(replies.ref(), SegmentKind.REPLY_RING), None, Mailbox.attach(box.ref()), 1,
+                 mail_free=[1])
     try:
         peer.close()  # slot 0 is lent: a device may still write it
         assert peer.retired and not peer.mailbox._closed
