@@ -70,7 +70,7 @@ def sweep_stale_segments() -> list[str]:
 
 
 def _path(name: str) -> str:
-    if "/" in name or not name or name.startswith("."):
+    if not isinstance(name, str) or "/" in name or not name or name.startswith(".") or len(name) > 200:
         raise ValueError(f"invalid shared-memory segment name {name!r}")
     return os.path.join(SHM_DIR, name)
 

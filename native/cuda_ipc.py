@@ -17,6 +17,8 @@ one caching-allocator block (SGLang's per-layer buffers often do) are fine.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -96,6 +98,32 @@ def open_region(region: Region) -> torch.Tensor:
     except (RuntimeError, TypeError, ValueError) as exc:
         raise LayoutError(f"cannot open CUDA IPC region ({type(exc).__name__}: {exc}); the exporting process "
                           "must be alive, on this host, and sharing the same GPU") from None
+    # The handle's sizes are the client's word; the allocation the handle opened is the driver's. Every
+    # byte a copy may address must lie inside the latter.
+    start = storage.data_ptr() + tensor_offset
+    base, size = allocation_range(start, index)
+    if start + region.size > base + size:
+        raise LayoutError(f"CUDA IPC region claims {region.size} bytes at byte {start - base} of its allocation, "
+                          f"but the allocation the handle opened holds only {size} bytes")
     out = torch.empty((0,), dtype=torch.uint8, device=f"cuda:{index}")
     out.set_(storage, tensor_offset, (region.size,), (1,))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+    return lib
+
+
+def allocation_range(pointer: int, device: int) -> tuple[int, int]:
+    """(base, size) of the CUDA allocation that holds device ``pointer``, as the driver knows it."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(device):
+        rc = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer))
+    if rc != 0:
+        raise LayoutError(f"cuMemGetAddressRange failed (CUDA driver error {rc}) for a CUDA IPC region")
+    return base.value, size.value
