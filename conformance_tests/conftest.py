@@ -28,7 +28,7 @@ from kvstrata.core.plugins import (
 )
 
 from .pytest_plugin import selected_adapters
-from .rig import Rig
+from .rig import Rig, SharedServer
 from .rules import broken
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -98,14 +98,25 @@ def session_state() -> dict[str, Any]:
     return {}
 
 
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[SharedServer]:
+    """One server (with its slice hold) for every rig that does not kill or restart its own."""
+    shared = SharedServer()
+    yield shared
+    shared.stop()
+
+
 @pytest.fixture
-def make_rig(adapter: Adapter) -> Iterator[Callable[..., Rig]]:
-    """Build rigs (each with its own server, proxy, engine and worker); all are torn down after the test."""
+def make_rig(adapter: Adapter, shared_server: SharedServer) -> Iterator[Callable[..., Rig]]:
+    """Build rigs (each with its own proxy, engine, worker and instance id, on the shared server unless
+    ``own_server``); all are torn down after the test."""
     rigs: list[Rig] = []
 
-    def make(spec: HarnessSpec | None = None, options: WorkerOptions | None = None) -> Rig:
+    def make(spec: HarnessSpec | None = None, options: WorkerOptions | None = None, *,
+             own_server: bool = False) -> Rig:
         rig = Rig(adapter, spec or HarnessSpec(),
-                  options or WorkerOptions(layer_wait_timeout=5.0, retrieve_timeout=30.0))
+                  options or WorkerOptions(layer_wait_timeout=5.0, retrieve_timeout=30.0),
+                  shared=None if own_server else shared_server)
         rigs.append(rig)
         return rig.start()
 

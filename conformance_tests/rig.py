@@ -53,6 +53,34 @@ class Retrieval:
     released_at: float | None = None
 
 
+class SharedServer:
+    """A ``kvstrata serve`` with a slice hold that rigs share (started on first use): rigs that do not kill
+    their server need not start one each. Each rig registers its own instance id and request ids."""
+
+    def __init__(self, l1_bytes: int = 256 << 20, chunk_size: int = 256) -> None:
+        self.l1_bytes, self.chunk_size = l1_bytes, chunk_size
+        self.server: ServerProcess | None = None
+        self.hold: SliceHold | None = None
+
+    def get(self, chunk_size: int) -> tuple[ServerProcess, SliceHold]:
+        if chunk_size != self.chunk_size:
+            raise ValueError(f"the shared server stores {self.chunk_size}-token chunks, the rig asked {chunk_size}")
+        if self.server is None:
+            self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
+            self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
+                                        slice_hold=self.hold).start()
+        return self.server, self.hold
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.hold.open_all()
+            self.server.stop()
+            self.server = None
+
+
+_instance_ids = itertools.count(1)
+
+
 @dataclass
 class Rig:
     adapter: Adapter
@@ -61,9 +89,11 @@ class Rig:
                                                                           retrieve_timeout=30.0))
     chunk_size: int = 256
     l1_bytes: int = 192 << 20
-    instance_id: int = 0
+    shared: SharedServer | None = None
+    """The session's shared server; None: this rig starts (and may kill) its own."""
 
     def __post_init__(self) -> None:
+        self.instance_id = next(_instance_ids)
         self.server: ServerProcess | None = None
         self.proxy: RecordingProxy | None = None
         self.engine: Any = None
@@ -73,12 +103,17 @@ class Rig:
         self.failed: dict[str, tuple[list[list[int]], str]] = {}
         self._boards: dict[str, ArrivalBoard] = {}
         self._stored: dict[tuple[int, ...], list[bytes]] = {}
+        self.submitted: list[str] = []
 
     # --- set-up and tear-down -----------------------------------------------------------
 
     def start(self) -> "Rig":
-        self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
-        self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size, slice_hold=self.hold).start()
+        if self.shared is not None:
+            self.server, self.hold = self.shared.get(self.chunk_size)
+        else:
+            self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
+            self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
+                                        slice_hold=self.hold).start()
         self.proxy = RecordingProxy(self.server.address).start()
         self.engine = self.adapter.conformance_engine(self.spec)
         try:
@@ -105,7 +140,11 @@ class Rig:
                                 f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        for step in (lambda: self.worker and self.worker.close(), lambda: self.client and self.client.close(),
+        for r in list(self.submitted):
+            self.hold.open(r)  # nothing of this rig's stays held on a server that outlives it
+        for step in (lambda: self.worker and self.worker.close(),
+                     lambda: self.shared and self.client and self.client.unregister_kv_cache(self.instance_id),
+                     lambda: self.client and self.client.close(),
                      lambda: self.engine and self.engine.close(), lambda: self.proxy and self.proxy.stop()):
             try:
                 step()
@@ -113,7 +152,7 @@ class Rig:
                 log.warning("conformance rig tear-down: %s: %s", type(exc).__name__, exc)
         for board in self._boards.values():
             board.close()
-        if self.server is not None:
+        if self.server is not None and self.shared is None:
             self.hold.open_all()
             self.server.stop()
 
@@ -187,6 +226,7 @@ class Rig:
         if hold_after_slices is not None:
             self.hold.hold(rid, after_slices=hold_after_slices)
         r = Retrieval(rid, prompt, truth, blocks, width, time.perf_counter())
+        self.submitted.append(rid)
         self.worker.submit_retrieve(rid, key, blocks, layers_per_stage=width)
         return r
 

@@ -23,8 +23,11 @@ RETRIEVE_TIMEOUT = 4.0
 SLACK = 10.0
 
 
-def fast_failing(make_rig: Callable[..., Rig], retrieve_timeout: float = RETRIEVE_TIMEOUT) -> Rig:
-    return make_rig(options=WorkerOptions(layer_wait_timeout=LAYER_WAIT, retrieve_timeout=retrieve_timeout))
+def fast_failing(make_rig: Callable[..., Rig], retrieve_timeout: float = RETRIEVE_TIMEOUT, *,
+                 own_server: bool = True) -> Rig:
+    """A rig whose waits time out soon; with its own server, which the test may kill."""
+    return make_rig(options=WorkerOptions(layer_wait_timeout=LAYER_WAIT, retrieve_timeout=retrieve_timeout),
+                    own_server=own_server)
 
 
 def wait_reported(rig: Rig, r: Retrieval, within: float, what: str) -> None:
@@ -117,7 +120,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
 
 
 def test_slot_that_never_advances(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
-    rig = fast_failing(make_rig, retrieve_timeout=60.0)
+    rig = fast_failing(make_rig, retrieve_timeout=60.0, own_server=False)  # it stalls the server, kills nothing
     prompt = rig.prompt()
     r, landed = catch_in_flight(rig, prompt, width=1)
     mark = len(warning_log)

@@ -51,6 +51,10 @@ class _Instance:
     owner: bytes | None
     """The connection that registered it (its routing id): the only one that may use or unregister it.
     None when registered from inside the server process (tests calling handlers directly)."""
+    transfers: int = 0
+    """STOREs and RETRIEVEs using its target now: it is closed only once they have ended."""
+    retired: bool = False
+    """Unregistered or replaced: its target closes when the last transfer using it ends."""
 
 
 class RequestError(ValueError):
@@ -152,7 +156,7 @@ class CacheServer:
                 raise RequestError(f"instance {instance_id} was registered by another connection meanwhile")
             self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller)
         if old is not None:
-            old.target.close()
+            self._retire(old)
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
         busy_wait = getattr(target, "busy_wait", None)
         if busy_wait is not None and self.config.busy_poll_ms > 0:
@@ -179,7 +183,7 @@ class CacheServer:
                 return False
             self._check_owner(inst)
             del self._instances[instance_id]
-        inst.target.close()
+        self._retire(inst)
         log.info("unregistered instance %d", instance_id)
         return True
 
@@ -204,7 +208,11 @@ class CacheServer:
     @hands_over_turn
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
-        inst = self._instance(instance_id)
+        inst = self._acquire(instance_id)
+        return self._while_in_use(inst, lambda: self._store(inst, key, block_ids, event_handle, skip_first_n_tokens))
+
+    def _store(self, inst: _Instance, key: dict[str, Any], block_ids: list[list[int]], event_handle: bytes | None,
+               skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
         ck = CacheKey.from_wire(key)
         n = ck.num_tokens
         layout = inst.layout
@@ -276,13 +284,23 @@ class CacheServer:
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
                  layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
         ck = CacheKey.from_wire(key)
+        try:
+            inst = self._acquire(instance_id)
+        except Exception:
+            self._release_locks(ck.request_id)
+            raise
+        return self._while_in_use(inst, lambda: self._retrieve(inst, ck, block_ids, event_handle, skip_first_n_tokens,
+                                                               arrival_board, layer_event_handles, layers_per_stage))
+
+    def _retrieve(self, inst: _Instance, ck: CacheKey, block_ids: list[list[int]], event_handle: bytes | None,
+                  skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
+                  layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
         board: ArrivalBoard | None = None
         keep_locks = False
         copying = False
         try:
             # Everything is checked before anything is written: a rejected RETRIEVE writes no board word,
             # no cache byte and no mailbox slot.
-            inst = self._instance(instance_id)
             if not 0 <= skip_first_n_tokens <= ck.num_tokens:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {ck.num_tokens}] "
                                    "(the key's tokens)")
@@ -308,6 +326,28 @@ class CacheServer:
                 self._release_locks(ck.request_id)
         return self._answer(inst.target, done,
                             self._settling_retrieve(settle, ck.request_id, board, arrival_board))
+
+    def _while_in_use(self, inst: _Instance, transfer: Callable[[], dict[str, Any] | Deferred]) -> dict[str, Any] | Deferred:
+        """Run a transfer on an acquired instance; let the instance go once the transfer has ended (at once,
+        or when its Deferred settles), so that an UNREGISTER meanwhile closes its target only after that."""
+        try:
+            reply = transfer()
+        except BaseException:
+            self._release(inst)
+            raise
+        if not isinstance(reply, Deferred):
+            self._release(inst)
+            return reply
+        settle = reply.settle
+
+        def settle_then_release() -> dict[str, Any]:
+            try:
+                return settle()
+            finally:
+                self._release(inst)
+
+        reply.settle = settle_then_release
+        return reply
 
     @staticmethod
     def _answer(target: Target, done: Completion, settle: Callable[[], dict[str, Any]]) -> dict[str, Any] | Deferred:
@@ -445,14 +485,35 @@ class CacheServer:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _instance(self, instance_id: int) -> _Instance:
-        """The caller's registered instance ``instance_id``; another connection's is refused."""
+    def _acquire(self, instance_id: int) -> _Instance:
+        """The caller's registered instance ``instance_id``, counted as in use by one more transfer (see
+        :meth:`_release`); another connection's is refused."""
         with self._lock:
             inst = self._instances.get(instance_id)
-        if inst is None:
-            raise RequestError(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
-        self._check_owner(inst)
-        return inst
+            if inst is None:
+                raise RequestError(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
+            self._check_owner(inst)
+            inst.transfers += 1
+            return inst
+
+    def _release(self, inst: _Instance) -> None:
+        with self._lock:
+            inst.transfers -= 1
+            close = inst.retired and inst.transfers == 0
+        if close:
+            inst.target.close()
+            log.info("instance %d's cache closed: its last transfer has ended", inst.instance_id)
+
+    def _retire(self, inst: _Instance) -> None:
+        """Close an unregistered or replaced instance's target now, or once its transfers end."""
+        with self._lock:
+            inst.retired = True
+            close = inst.transfers == 0
+        if close:
+            inst.target.close()
+        else:
+            log.info("instance %d's cache stays open until its %d transfer(s) in flight end", inst.instance_id,
+                     inst.transfers)
 
     def _check_owner(self, inst: _Instance) -> None:
         caller = self.transport.current_client()

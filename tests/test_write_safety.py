@@ -217,3 +217,37 @@ def test_a_restarted_engine_takes_its_instance_over_once_the_old_connection_is_g
     finally:
         second.close()
         eng.close()
+
+
+def test_unregistering_while_a_transfer_copies_into_the_cache_keeps_the_server_alive(tmp_path):
+    """The cache's memory stays mapped until the transfer that writes it has ended (it once was unmapped
+    under the copy, and the server died of it)."""
+    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.testing.slice_hold import SliceHold
+
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("in-flight", after_slices=1)
+    with ServerProcess(l1_bytes=32 << 20, chunk_size=64, slice_hold=hold) as srv:
+        client = CacheClient(srv.address, timeout=30.0)
+        eng = ReferenceEngine(SMALL_32, num_blocks=2 * TOKENS // 16 + 2, block_size=16)
+        try:
+            client.register_kv_cache(0, eng.layout, "server")
+            prompt = stored(client, eng, seed=15)
+            key = CacheKey.for_tokens("in-flight", prompt, model="m")
+            assert client.lookup(key) == TOKENS
+            dst = eng.allocate(TOKENS)
+            board = ArrivalBoard.create(1)
+            try:
+                fut = client.retrieve_async(key, 0, [dst], arrival_board=board_ref(board.name), layers_per_stage=1)
+                hold.wait_held("in-flight")
+                assert client.unregister_kv_cache(0) is True  # while the transfer is held after its first slice
+                hold.open("in-flight")
+                assert client.transport.wait(fut, timeout=30)["retrieved_tokens"] == TOKENS
+            finally:
+                board.destroy()
+            assert client.ping() == "pong" and srv.proc.poll() is None
+            assert eng.mismatched_layers(prompt, dst, 0, TOKENS) == []
+            assert 0 not in client.server_info()["instances"]
+        finally:
+            client.close()
+            eng.close()
