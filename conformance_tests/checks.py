@@ -66,7 +66,9 @@ def read_every_layer(rig: Rig, r: Retrieval, context: str) -> None:
         rig.check_layer(r, layer, context)
 
 
-RELEASE_TIMEOUT = 10.0
+RELEASE_TIMEOUT = 5.0
+"""For a release that comes after the first slice (milliseconds): the transfer is held after it, so a release
+that has not come by then comes only once the suite lets the transfer go on."""
 REPLY_TIMEOUT = 20.0
 BLOCKED_FOR = 0.4
 """How long a wait for a layer that has not landed must stay blocked to count as waiting."""

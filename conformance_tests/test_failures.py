@@ -20,7 +20,7 @@ from .rules import broken, require
 
 LAYER_WAIT = 1.0
 RETRIEVE_TIMEOUT = 4.0
-SLACK = 10.0
+SLACK = 6.0
 
 
 def fast_failing(make_rig: Callable[..., Rig], retrieve_timeout: float = RETRIEVE_TIMEOUT, *,

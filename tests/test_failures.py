@@ -24,8 +24,8 @@ def test_server_killed_mid_retrieve_reports_failure_and_next_retrieve_works(tmp_
     hold.hold("doomed", after_slices=1)  # the kill lands while the transfer is held after its first slice
     srv = ServerProcess(address=address, l1_bytes=64 << 20, chunk_size=64, slice_hold=hold).start()
     client = CacheClient(address, timeout=5.0)
-    # the layer wait (1 s) fails it long before the retrieve timeout (8 s) would
-    worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=1.0, retrieve_timeout=8.0)
+    # the layer wait (1 s, from the release) fails it before the retrieve timeout (4 s, from the submit) would
+    worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=1.0, retrieve_timeout=4.0)
     try:
         worker.register()
         prompt = random_prompt(tokens, seed=3)
