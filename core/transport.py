@@ -817,7 +817,6 @@ class Client:
         self._pending: dict[int, tuple[RequestType, Future]] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
-        self._busy_us = 0
         self._send_lock = threading.Lock()
         """Held from numbering a request to sending it: ids follow the order requests are sent in, which the
         server relies on to serve a request from the ring only when it is the next one (see Server)."""
@@ -1017,25 +1016,10 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float) -> None:
-        """While replies are outstanding, have the I/O thread poll without sleeping (up to ``window_ms`` at a time).
-
-        A transfer's reply then reaches a thread that is awake, not one the kernel
-        must wake after the transfer's tens of milliseconds of quiet. Costs up to
-        one core while requests are outstanding; outside the GIL.
-        """
-        if window_ms < 0:
-            raise ValueError(f"window_ms must be >= 0, got {window_ms}")
-        self._sock.busy_wait = busy_wait
-        self._busy_us = int(window_ms * 1e3)
-
     def _loop(self) -> None:
         while not self._stop.is_set():
-            busy = self._busy_us > 0
-            # with busy polling, idle waits are short so that a new request's wait spins from its start
-            spin_us = self._busy_us if busy and self._pending else 0
             try:
-                self._sock.wait(1 if busy else _POLL_MS // 2, spin_us)
+                self._sock.wait(_POLL_MS // 2)
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return

@@ -83,8 +83,7 @@ class LayerwiseWorker:
                  placement: str = PLACEMENT_SERVER, event_backend: EventBackend | None = None,
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
-                 retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 busy_poll_ms: float = 0.0, shm_rings: bool = True) -> None:
+                 retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None, shm_rings: bool = True) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -115,10 +114,6 @@ class LayerwiseWorker:
         self._l1_pool: Segment | None = None
         self._l1_tensor: torch.Tensor | None = None
         self.chunk_size: int | None = None
-        self.busy_poll_ms = busy_poll_ms
-        """On a GPU, the client's I/O thread polls without sleeping (outside the GIL) up to this long
-        while replies are outstanding, so a transfer's reply is seen at once. Off (0) by default: an
-        engine that polls get_finished() each step resolves replies itself, and the poll costs a core."""
         self.shm_rings = shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
         sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake)."""
@@ -140,24 +135,9 @@ class LayerwiseWorker:
         self.chunk_size = int(reply["chunk_size"])
         if self.shm_rings:
             self.client.transport.attach_rings()
-        self._enable_busy_poll()
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
                  self.instance_id, self.client.address, self.placement, self.chunk_size)
         return reply
-
-    def _enable_busy_poll(self) -> None:
-        if self.busy_poll_ms <= 0 or not self.device.startswith("cuda"):
-            return
-        try:
-            from kvstrata.native import cuda_ext
-
-            busy_wait = cuda_ext.load().spin_until_readable
-        except Exception as exc:  # no extension here: replies wake the I/O thread as usual
-            log.warning("busy polling for replies is off: the CUDA extension is not available (%s)", exc)
-            return
-        self.client.transport.enable_busy_poll(busy_wait, self.busy_poll_ms)
-        log.info("the client polls for replies without sleeping for up to %g ms while transfers are outstanding",
-                 self.busy_poll_ms)
 
     # --- retrieve --------------------------------------------------------------------
 
