@@ -29,8 +29,10 @@ def server():
         yield srv
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(server):
+    """One connection per module: an instance id a test registered belongs to this connection (the server
+    ties instances to the connection that registered them), so the module's tests may all use instance 0."""
     c = CacheClient(server.address, timeout=20.0)
     yield c
     c.close()

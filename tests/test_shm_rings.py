@@ -177,14 +177,14 @@ def test_the_rings_can_be_turned_off(server, monkeypatch):
 def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, monkeypatch):
     client = CacheClient(server.address, timeout=20.0)
     engine = ReferenceEngine(SMALL_32, num_blocks=64, block_size=16)
-    worker = LayerwiseWorker(client, 0, engine.layout)
+    worker = LayerwiseWorker(client, 41, engine.layout)  # this module's shared client holds instance 0
     try:
         clients_before = client.server_info()["rings"]["clients"]  # the module shares the server
         worker.register()
         assert client.server_info()["rings"]["clients"] == clients_before + 1
         ring = client.transport.reply_ring
         prompt = random_prompt(160)
-        store_prompt(client, engine, prompt)
+        store_prompt(client, engine, prompt, instance_id=41)
         looked_up = {w: lookup_into_fresh_blocks(client, engine, f"w{w}", prompt) for w in (0, 1)}
         # from here only the ring can resolve a reply: no I/O thread, and the engine's polls never drain ZMQ
         client.transport._stop.set()
