@@ -30,6 +30,20 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def inprocess_server():
+    """A real CacheServer (real ZMQ socket, real shared-memory pool) in this process, for the protocol and
+    handler tests, which need no process boundary: a module asks for it by overriding ``server`` with it."""
+    from kvstrata.core.server import CacheServer, ServerConfig
+
+    directory = tempfile.mkdtemp(prefix="kvstrata-inprocess-")
+    os.chmod(directory, 0o700)
+    srv = CacheServer(ServerConfig(address=f"ipc://{directory}/server.sock", l1_bytes=256 << 20, chunk_size=64))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     """One connection per module: an instance id a test registered belongs to this connection (the server
     ties instances to the connection that registered them), so the module's tests may all use instance 0."""

@@ -11,6 +11,13 @@ from kvstrata.core.protocol import DECLARATIONS, RequestType
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.transport import Client, RemoteError
 
+
+@pytest.fixture(scope="module")
+def server(inprocess_server):
+    """These protocol tests run against an in-process server (tests/conftest.py): no process to start."""
+    return inprocess_server
+
+
 GOOD = {
     RequestType.PING: [],
     RequestType.SERVER_INFO: [],

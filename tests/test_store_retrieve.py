@@ -1,4 +1,5 @@
-"""STORE then RETRIEVE through a real server process, byte for byte (CPU, chunk-major)."""
+"""STORE then RETRIEVE through a real server (in this process, or a child where a test needs its own), byte for
+byte (CPU, chunk-major)."""
 
 import pytest
 import torch
@@ -9,6 +10,12 @@ from kvstrata.core.transport import RemoteError
 
 CHUNK = 64  # the `server` fixture's chunk size
 SMALL = ModelShape(num_layers=4, num_heads=2, head_size=16, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def server(inprocess_server):
+    """These handler tests run against an in-process server (tests/conftest.py): no process to start."""
+    return inprocess_server
 
 
 def make_engine(client, shape, num_blocks=64, block_size=16, instance_id=0):
