@@ -28,7 +28,7 @@ from kvstrata.core.plugins import (
 )
 
 from .pytest_plugin import selected_adapters
-from .rig import Rig, SharedServer
+from .rig import Rig, RigServer
 from .rules import broken
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -99,15 +99,15 @@ def session_state() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def shared_server() -> Iterator[SharedServer]:
+def shared_server() -> Iterator[RigServer]:
     """One server (with its slice hold) for every rig that does not kill or restart its own."""
-    shared = SharedServer()
+    shared = RigServer()
     yield shared
     shared.stop()
 
 
 @pytest.fixture
-def make_rig(adapter: Adapter, shared_server: SharedServer) -> Iterator[Callable[..., Rig]]:
+def make_rig(adapter: Adapter, shared_server: RigServer) -> Iterator[Callable[..., Rig]]:
     """Build rigs (each with its own proxy, engine, worker and instance id, on the shared server unless
     ``own_server``); all are torn down after the test."""
     rigs: list[Rig] = []

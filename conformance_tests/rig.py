@@ -53,9 +53,9 @@ class Retrieval:
     released_at: float | None = None
 
 
-class SharedServer:
-    """A ``kvstrata serve`` with a slice hold that rigs share (started on first use): rigs that do not kill
-    their server need not start one each. Each rig registers its own instance id and request ids."""
+class RigServer:
+    """A ``kvstrata serve`` with a slice hold, started on first use: either the one the session's rigs share
+    (each registers its own instance id and request ids), or a rig's own, which its test may kill and restart."""
 
     def __init__(self, l1_bytes: int = 256 << 20, chunk_size: int = 256) -> None:
         self.l1_bytes, self.chunk_size = l1_bytes, chunk_size
@@ -70,6 +70,12 @@ class SharedServer:
             self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
                                         slice_hold=self.hold).start()
         return self.server, self.hold
+
+    def restart(self) -> ServerProcess:
+        """A fresh server on the same address and with the same hold, after the last one died."""
+        self.server = ServerProcess(address=self.server.address, l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
+                                    slice_hold=self.hold).start()
+        return self.server
 
     def stop(self) -> None:
         if self.server is not None:
@@ -89,7 +95,7 @@ class Rig:
                                                                           retrieve_timeout=30.0))
     chunk_size: int = 256
     l1_bytes: int = 192 << 20
-    shared: SharedServer | None = None
+    shared: RigServer | None = None
     """The session's shared server; None: this rig starts (and may kill) its own."""
 
     def __post_init__(self) -> None:
@@ -108,12 +114,8 @@ class Rig:
     # --- set-up and tear-down -----------------------------------------------------------
 
     def start(self) -> "Rig":
-        if self.shared is not None:
-            self.server, self.hold = self.shared.get(self.chunk_size)
-        else:
-            self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
-            self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
-                                        slice_hold=self.hold).start()
+        self._serving = self.shared or RigServer(self.l1_bytes, self.chunk_size)
+        self.server, self.hold = self._serving.get(self.chunk_size)
         self.proxy = RecordingProxy(self.server.address).start()
         self.engine = self.adapter.conformance_engine(self.spec)
         try:
@@ -152,9 +154,8 @@ class Rig:
                 log.warning("conformance rig tear-down: %s: %s", type(exc).__name__, exc)
         for board in self._boards.values():
             board.close()
-        if self.server is not None and self.shared is None:
-            self.hold.open_all()
-            self.server.stop()
+        if self.shared is None and getattr(self, "_serving", None) is not None:
+            self._serving.stop()
 
     # --- the server process ---------------------------------------------------------------
 
@@ -175,8 +176,7 @@ class Rig:
 
     def restart_server(self) -> None:
         """A fresh server on the same address (the proxy reconnects); the cache is registered again."""
-        self.server = ServerProcess(address=self.server.address, l1_bytes=self.l1_bytes,
-                                    chunk_size=self.chunk_size, slice_hold=self.hold).start()
+        self.server = self._serving.restart()
         self._stored.clear()
         self.register()
 

@@ -45,7 +45,6 @@ from .shm import (CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, 
 
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = CONTROL_HEADER_BYTES
 SLOT_HEADER_BYTES = 16
 REPLY_SLOTS, REPLY_SLOT_BYTES = 64, 1024
 """Transfer and lookup replies are under 200 bytes; a worker-placement retrieve's object list may not fit,
@@ -65,7 +64,7 @@ def _check_geometry(slots: int, slot_bytes: int) -> None:
         raise RingError(f"a ring needs at least one slot, got {slots}")
     if slot_bytes < 64 or slot_bytes % 64:
         raise RingError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
-    if HEADER_BYTES + slots * slot_bytes > MAX_RING_BYTES:
+    if CONTROL_HEADER_BYTES + slots * slot_bytes > MAX_RING_BYTES:
         raise RingError(f"a ring of {slots} slots of {slot_bytes} bytes exceeds {MAX_RING_BYTES} bytes")
 
 
@@ -121,7 +120,7 @@ class SlotRing:
     def _slot(self, sequence: int) -> tuple[int, int]:
         """(first word, first payload byte) of the slot that holds ``sequence``."""
         index = (sequence - 1) % self.slots
-        word = (HEADER_BYTES + index * self.slot_bytes) // 8
+        word = (CONTROL_HEADER_BYTES + index * self.slot_bytes) // 8
         return word, word * 8 + SLOT_HEADER_BYTES
 
     # --- writer -------------------------------------------------------------------------
@@ -259,7 +258,7 @@ class Mailbox(SlotRing):
         """Reader: the frames of slots whose word holds one of ``wanted`` (request ids), read consistently."""
         if self._closed:
             return []
-        first = HEADER_BYTES // 8
+        first = CONTROL_HEADER_BYTES // 8
         words = self._words[first:first + self.slots * (self.slot_bytes // 8):self.slot_bytes // 8]
         out = []
         for index in np.flatnonzero(words):

@@ -17,8 +17,8 @@ import pytest
 from kvstrata.core.client import CacheClient
 from kvstrata.core.keys import CacheKey
 from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
-from kvstrata.core.shm_ring import HEADER_BYTES, Mailbox, RingError, SlotRing
-from kvstrata.core.shm import Segment, SegmentKind, new_segment_name
+from kvstrata.core.shm_ring import Mailbox, RingError, SlotRing
+from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, new_segment_name
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.transport import Client, Deferred, RemoteError, Server, _Peer
 from kvstrata.core.worker import LayerwiseWorker
@@ -69,10 +69,10 @@ def test_a_lapped_reader_skips_what_was_overwritten_and_keeps_reading(ring_pair)
 def test_a_slot_being_rewritten_is_not_read(ring_pair):
     reader, writer = ring_pair
     writer.post(b"first")
-    words = np.frombuffer(reader.segment.buf, dtype=np.uint64, count=HEADER_BYTES // 8 + 1)
-    words[HEADER_BYTES // 8] = 0  # the writer's "being rewritten" mark on slot 0
+    words = np.frombuffer(reader.segment.buf, dtype=np.uint64, count=CONTROL_HEADER_BYTES // 8 + 1)
+    words[CONTROL_HEADER_BYTES // 8] = 0  # the writer's "being rewritten" mark on slot 0
     assert reader.take() == []
-    words[HEADER_BYTES // 8] = 1
+    words[CONTROL_HEADER_BYTES // 8] = 1
     del words
     assert reader.take() == [b"first"]
 
@@ -84,7 +84,7 @@ def test_attach_refuses_what_is_not_a_kvstrata_ring_of_that_kind():
     with pytest.raises(RingError, match="multiple of 64"):
         SlotRing.attach({"name": "kvstrata-reply-ring-1-0000abcd", "slots": 4, "slot_bytes": 100}, reply)
     # a segment with a ring's name and size but no header: the server must not write into it
-    seg = Segment(new_segment_name("reply-ring"), HEADER_BYTES + 4 * 128, create=True)
+    seg = Segment(new_segment_name("reply-ring"), CONTROL_HEADER_BYTES + 4 * 128, create=True)
     try:
         with pytest.raises(RingError, match="carries no kvstrata control header"):
             SlotRing.attach({"name": seg.name, "slots": 4, "slot_bytes": 128}, reply)
