@@ -1,1 +1,1 @@
-"""Engine adapters. Each implements the hook specification in ``kvstrata.core.hookspecs``."""
+"""Engine adapters. Each implements the hook specification in ``kvstrata.core.adapter_api.hookspecs``."""

@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 WIDTHS = [0, 1, 2, 4, 8, 32]
 

@@ -40,8 +40,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.submit:
         return profile_submit(args)
-    from kvstrata.core import planner
-    from kvstrata.core.l1_store import L1Store
+    from kvstrata.core.transfer import planner
+    from kvstrata.core.store.l1_store import L1Store
     from kvstrata.native.cuda_executor import CudaTransferEngine
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -136,7 +136,7 @@ def table_steps(engine: Any, objs: list[Any], layout: Any, dst: list[int], args:
     leased slot and one extension call) timed as a whole under the same conditions."""
     import numpy as np
 
-    from kvstrata.core import planner
+    from kvstrata.core.transfer import planner
 
     copies = planner.plan_copies([o.num_tokens for o in objs], args.chunk, 0, 0)
     job = planner.TransferJob(layout, [dst], copies)
@@ -213,10 +213,10 @@ def report(prof: cProfile.Profile, times: list[float], what: str, top: int) -> N
 
 
 def profile_submit(args: argparse.Namespace) -> int:
-    from kvstrata.core.client import CacheClient
-    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 

@@ -34,10 +34,12 @@ def install_tracing(path: str) -> None:
     """Wrap the server's retrieve steps so each writes (time, name) to ``path`` (server child only)."""
     import torch
 
-    from kvstrata.core import arrival_board, planner, transport
-    from kvstrata.core.protocol import DECLARATIONS
-    from kvstrata.core import server as server_mod
-    from kvstrata.native import reference
+    from kvstrata.core.arrival import board
+    from kvstrata.core.transfer import planner
+    from kvstrata.core.wire import transport
+    from kvstrata.core.wire.protocol import DECLARATIONS
+    from kvstrata.core.server.cache_server import cache_server as server_mod
+    from kvstrata.core.transfer import torch_executor
 
     out = open(path, "a")
     lock = threading.Lock()
@@ -122,8 +124,8 @@ def install_tracing(path: str) -> None:
 
     transport.Server._run = run_request  # type: ignore[method-assign]
     if not torch.cuda.is_available():
-        wrap(reference.ReferenceExecutor, "scatter", "scatter_in", "scatter_out")
-        wrap(reference.ReferenceExecutor, "gather", "gather_in", "gather_out")
+        wrap(reference.TorchExecutor, "scatter", "scatter_in", "scatter_out")
+        wrap(reference.TorchExecutor, "gather", "gather_in", "gather_out")
         return
     from kvstrata.native import cuda_executor, cuda_target
 
@@ -202,7 +204,8 @@ def trace_engine_side() -> dict[str, float]:
     Each mark keeps its first time after ``clear()``, so a retrieve's own send
     and reply are what is seen.
     """
-    from kvstrata.core import shm_ring, transport
+    from kvstrata.core.wire import rings
+    from kvstrata.core.wire import transport
 
     marks: dict[str, float] = {}
     send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
@@ -258,10 +261,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from kvstrata.core.client import CacheClient
-    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from transfer import spin_until_settled  # the engine's poll, as the transfer benchmark models it
 
     gpu = args.device == "cuda"
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = CudaEventBackend("cuda:0")
         store_event = backend.store_event_handle
     else:
-        from kvstrata.core.events import HostEventBackend
+        from kvstrata.core.arrival.events import HostEventBackend
         from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
 
         cache = ReferenceEngine(ModelShape(32, 2, 1, 1, "bfloat16"), num_blocks=2 * nb + 2, block_size=16)

@@ -109,7 +109,7 @@ def measure_raw_zmq(reps: int, request_bytes: int = 70_000) -> dict[str, Any]:
 
 
 def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:
-    from kvstrata.core.l1_store import L1Store
+    from kvstrata.core.store.l1_store import L1Store
     from kvstrata.native import cuda_ext
     from kvstrata.native.cuda_executor import pin_pool, unpin_pool
 
@@ -167,8 +167,8 @@ def llama_cache(tokens: int, block_size: int):
 
 def measure_inprocess(tokens: int, chunk: int, block_size: int, reps: int, modes: list[str], widths: list[int],
                       cta_sweep: list[int]) -> dict[str, Any]:
-    from kvstrata.core import planner
-    from kvstrata.core.l1_store import L1Store
+    from kvstrata.core.transfer import planner
+    from kvstrata.core.store.l1_store import L1Store
     from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
 
     cache = llama_cache(tokens, block_size)
@@ -283,10 +283,10 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None,
                    server_env: dict[str, str] | None = None) -> dict[str, Any]:
-    from kvstrata.core.client import CacheClient
-    from kvstrata.core.keys import CacheKey
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.worker import LayerwiseWorker
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.native.cuda_events import CudaEventBackend
 
     cache = llama_cache(tokens, block_size)

@@ -7,11 +7,11 @@ sender and read by the receiver:
 
 * ``raw``: bare pyzmq on both ends, the receiving thread blocked in ``recv``
   (the floor);
-* ``client``: kvstrata's :class:`~kvstrata.core.transport.Client` receiving
+* ``client``: kvstrata's :class:`~kvstrata.core.wire.transport.Client` receiving
   replies from a bare echo (its I/O thread waking, the future resolving), with
   the caller blocked on the future, and with the caller polling with short
   sleeps as an engine's scheduler loop does;
-* ``server``: kvstrata's :class:`~kvstrata.core.transport.Server` (its threads
+* ``server``: kvstrata's :class:`~kvstrata.core.wire.transport.Server` (its threads
   taking turns on the socket) receiving from a bare DEALER.
 
     python benchmarks/transport_latency.py --reps 1000 --out benchmarks/results/transport-latency-cpu.json
@@ -35,7 +35,7 @@ import zmq
 
 ECHO = """
 import sys, time, zmq
-from kvstrata.core import codec
+from kvstrata.core.wire import codec
 ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.bind(sys.argv[1])
 print("ready", flush=True)
 while True:
@@ -47,8 +47,8 @@ while True:
 
 _SERVER = """
 import sys, time
-from kvstrata.core.protocol import DECLARATIONS, RequestType
-from kvstrata.core.transport import Server
+from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
+from kvstrata.core.wire.transport import Server
 s = Server(sys.argv[1], transfer_threads=4)
 for rt, decl in DECLARATIONS.items():
     names = ", ".join(f"a{i}" for i in range(decl.arity))
@@ -89,8 +89,8 @@ def bare_legs(address: str, reps: int, *, warm: int = 100, gap_s: float = 0.0,
     (the echo does not check payloads); the server's time stamp splits the round
     trip. ``gap_s`` of idle time goes before each request.
     """
-    from kvstrata.core import codec
-    from kvstrata.core.protocol import RequestType
+    from kvstrata.core.wire import codec
+    from kvstrata.core.wire.protocol import RequestType
 
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -115,8 +115,8 @@ def bare_legs(address: str, reps: int, *, warm: int = 100, gap_s: float = 0.0,
 
 def client_reply_legs(address: str, reps: int, *, warm: int, gap_s: float, polling: bool) -> list[float]:
     """Reply legs (s) of kvstrata's Client against the echo: from the echo's stamp to the future resolving."""
-    from kvstrata.core.protocol import RequestType
-    from kvstrata.core.transport import Client
+    from kvstrata.core.wire.protocol import RequestType
+    from kvstrata.core.wire.transport import Client
 
     resolved: dict[str, float] = {}
     original = Client._resolve

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstrata.core.protocol import ProtocolError, RequestType, declaration
+from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
 from .rig import Retrieval, Rig
 from .rules import broken, require

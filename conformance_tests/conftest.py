@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from kvstrata.core.hookspecs import HarnessSpec, WorkerOptions
-from kvstrata.core.plugins import (
+from kvstrata.core.adapter_api.hookspecs import HarnessSpec, WorkerOptions
+from kvstrata.core.adapter_api.plugins import (
     Adapter,
     AdapterError,
     EnginePackageMissing,

@@ -30,7 +30,7 @@ def selected_adapters(config: pytest.Config) -> tuple[list[str], bool]:
     names = [s.strip() for value in given for s in value.split(",") if s.strip()]
     if names:
         return names, True
-    from kvstrata.core.plugins import discover
+    from kvstrata.core.adapter_api.plugins import discover
 
     return sorted(discover()), False
 

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvstrata.core.arrival_board import ArrivalBoard, Progress
-from kvstrata.core.hookspecs import HarnessSpec, WorkerOptions
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.plugins import Adapter
-from kvstrata.core.protocol import RequestType
+from kvstrata.core.arrival.board import ArrivalBoard, Progress
+from kvstrata.core.adapter_api.hookspecs import HarnessSpec, WorkerOptions
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.adapter_api.plugins import Adapter
+from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
 

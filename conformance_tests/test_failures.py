@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from kvstrata.core.hookspecs import WorkerOptions
+from kvstrata.core.adapter_api.hookspecs import WorkerOptions
 
 from .checks import catch_in_flight, check_wire_retrieve, read_every_layer
 from .rig import Retrieval, Rig

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pytest
 
-from kvstrata.core.hookspecs import HarnessSpec, NotSupported, WorkerOptions
+from kvstrata.core.adapter_api.hookspecs import HarnessSpec, NotSupported, WorkerOptions
 
 from .checks import check_wire_retrieve, read_every_layer
 from .rig import Rig

@@ -6,18 +6,18 @@ import inspect
 
 import pytest
 
-from kvstrata.core import hookspecs
-from kvstrata.core.layouts import DTYPE_SIZES
-from kvstrata.core.hookspecs import ConformanceEngine, HarnessSpec, RetrieveRequest
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.plugins import (
+from kvstrata.core.adapter_api import hookspecs
+from kvstrata.core.transfer.layouts import DTYPE_SIZES
+from kvstrata.core.adapter_api.hookspecs import ConformanceEngine, HarnessSpec, RetrieveRequest
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.adapter_api.plugins import (
     Adapter,
     EnginePackageMissing,
     HookSignatureError,
     MissingHookError,
     load_adapter,
 )
-from kvstrata.core.protocol import ProtocolError, RequestType, declaration
+from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
 from .rules import broken, require
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.core.protocol import ProtocolError
+from kvstrata.core.wire.protocol import ProtocolError
 
 from .checks import check_wire_retrieve, read_every_layer
 from .rig import Rig

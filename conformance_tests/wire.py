@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import zmq
 
-from kvstrata.core import codec
-from kvstrata.core.protocol import RequestType
+from kvstrata.core.wire import codec
+from kvstrata.core.wire.protocol import RequestType
 
 
 @dataclass

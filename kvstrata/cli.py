@@ -29,7 +29,7 @@ def _setup_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstrata.core.transport import default_address
+    from kvstrata.core.wire.transport import default_address
 
     p = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,14 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstrata.core.server import CacheServer, ServerConfig
-    from kvstrata.core.transport import default_address
+    from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+    from kvstrata.core.wire.transport import default_address
 
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
                           allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms)
     log.info("starting with %s", config)
-    server = CacheServer(config)
+    from kvstrata.native import target_openers
+
+    server = CacheServer(config, target_openers=target_openers())
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 
 def run_demo(tokens: int = 1024, layers_per_stage: int = 1) -> int:

@@ -31,7 +31,7 @@ Per transfer the host writes only the copies' descriptors and the block table;
 the per-token address table is expanded on the device once and reused by every
 slice, so a slice costs the host a few calls whatever its size.
 
-Every mode implements the planner's :class:`~kvstrata.core.planner.Executor`
+Every mode implements the planner's :class:`~kvstrata.core.transfer.planner.Executor`
 protocol, so the chunk-major and layer-major plans run unchanged.
 """
 
@@ -49,8 +49,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvstrata.core.layouts import PagedKVLayout
-from kvstrata.core.planner import TransferJob
+from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.transfer.planner import TransferJob
 
 log = logging.getLogger(__name__)
 

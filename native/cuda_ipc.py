@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.layouts import LayoutError, Region
+from kvstrata.core.transfer.layouts import LayoutError, Region
 
 HANDLE_VERSION = 1
 

@@ -1,6 +1,6 @@
 """The server's handle on an engine's KV cache that lives on a GPU (``cuda_ipc`` regions).
 
-Implements :class:`kvstrata.core.targets.Target`. At registration it opens the
+Implements :class:`kvstrata.core.server.targets.Target`. At registration it opens the
 engine's regions from CUDA IPC, pins the server's L1 pool once per process and
 builds a :class:`~kvstrata.native.cuda_executor.CudaTransferEngine` with its own
 stream; every copy for this engine runs on that stream, from pinned L1 memory.
@@ -25,11 +25,11 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.l1_store import StoredObject, object_view
-from kvstrata.core.layouts import LayoutError, PagedKVLayout
-from kvstrata.core.planner import Executor
+from kvstrata.core.store.l1_store import StoredObject, object_view
+from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
+from kvstrata.core.transfer.planner import Executor
 from kvstrata.core.shm import Segment
-from kvstrata.core.targets import HostSignal
+from kvstrata.core.server.targets import HostSignal
 
 from . import cuda_ipc
 from .cuda_executor import CudaTransferConfig, CudaTransferEngine, pin_host_range, unpin_host_range

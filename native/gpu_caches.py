@@ -2,7 +2,7 @@
 
 Each :class:`GpuKVCache` holds the tensors an engine would hand a connector,
 in that engine's own shapes, and derives its byte views from those shapes, not
-from :mod:`kvstrata.core.layouts`. A test that writes through these views and
+from :mod:`kvstrata.core.transfer.layouts`. A test that writes through these views and
 reads back through them therefore checks the layout descriptors too: a wrong
 stride in a descriptor moves bytes somewhere the engine would not look.
 
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from kvstrata.core.layouts import (DTYPE_SIZES, PagedKVLayout, sglang_layout, trtllm_pool_layout,
+from kvstrata.core.transfer.layouts import (DTYPE_SIZES, PagedKVLayout, sglang_layout, trtllm_pool_layout,
                                    vllm_layout)
 
 from .cuda_ipc import export_region

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from kvstrata.core.client import CacheClient
+from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.testing.server_process import COUNT_FILE_VARIABLE, ServerProcess
 
 _count_dir = tempfile.mkdtemp(prefix="kvstrata-server-count-")
@@ -33,7 +33,7 @@ def server():
 def inprocess_server():
     """A real CacheServer (real ZMQ socket, real shared-memory pool) in this process, for the protocol and
     handler tests, which need no process boundary: a module asks for it by overriding ``server`` with it."""
-    from kvstrata.core.server import CacheServer, ServerConfig
+    from kvstrata.core.server.cache_server import CacheServer, ServerConfig
 
     directory = tempfile.mkdtemp(prefix="kvstrata-inprocess-")
     os.chmod(directory, 0o700)

@@ -6,10 +6,10 @@ import weakref
 
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 SMALL_32 = ModelShape(num_layers=32, kv_size=2, num_heads=2, head_size=16, dtype="bfloat16")
 

@@ -4,11 +4,11 @@ import multiprocessing as mp
 
 import pytest
 
-from kvstrata.core.arrival_board import ArrivalBoard, NO_PROGRESS, SLOT_BYTES
-from kvstrata.core.arrival_pool import ArrivalPool
+from kvstrata.core.arrival.board import ArrivalBoard, NO_PROGRESS, SLOT_BYTES
+from kvstrata.core.arrival.pool import ArrivalPool
 from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, new_segment_name
-from kvstrata.core.shm_ring import SlotRing
-from kvstrata.core.events import HostEventBackend
+from kvstrata.core.wire.rings import SlotRing
+from kvstrata.core.arrival.events import HostEventBackend
 
 
 def _writer(name: str, plan: list[tuple[int, int, int, bool]]) -> None:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvstrata.core.arrival_gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
+from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
 
 
 def test_releases_after_the_first_layer_by_default():

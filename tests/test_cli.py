@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from kvstrata.core.client import CacheClient
+from kvstrata.core.wire.client import CacheClient
 from kvstrata.cli import parse_size
 
 

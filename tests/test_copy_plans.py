@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from kvstrata.core import planner
+from kvstrata.core.transfer import planner
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.native.cuda_executor import CudaExecutor, plan_dma
 

@@ -2,12 +2,12 @@
 
 import logging
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from helpers import SMALL_32, engine_loop, random_prompt, release_of, store_prompt
 

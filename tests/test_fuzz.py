@@ -21,15 +21,15 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kvstrata.core.arrival_board import ArrivalBoard
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.protocol import DECLARATIONS, RequestType
+from kvstrata.core.arrival.board import ArrivalBoard
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
 from kvstrata.core.shm import Segment, SegmentKind
-from kvstrata.core.shm_ring import Mailbox, SlotRing
+from kvstrata.core.wire.rings import Mailbox, SlotRing
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.transport import RemoteError, RequestTimeout
+from kvstrata.core.wire.transport import RemoteError, RequestTimeout
 
 from helpers import SMALL_32, random_prompt
 
@@ -99,7 +99,7 @@ class Fuzz:
         return {self.rng.choice(keys): self.random_value(depth + 1) for _ in range(self.rng.randrange(0, 6))}
 
     def random_frames(self, rounds: int) -> None:
-        from kvstrata.core import codec
+        from kvstrata.core.wire import codec
 
         template = codec.encode_request(1, RequestType.RETRIEVE, [self.key("m"), 1, [[0]], None, 0, None, None, 0])
         for _ in range(rounds):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.store.keys import CacheKey
 
 CHUNK = 16
 
@@ -40,7 +40,7 @@ def test_known_digests_of_other_tokens_or_shard_are_not_used() -> None:
 
 
 def test_pack_tokens_matches_numpy_and_refuses_non_integers() -> None:
-    from kvstrata.core.keys import pack_tokens
+    from kvstrata.core.store.keys import pack_tokens
 
     ids = [0, 1, -5, 2**40, 31999]
     assert pack_tokens(ids) == np.asarray(ids, dtype="<i8").tobytes()

@@ -4,12 +4,12 @@ import contextlib
 
 import pytest
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from kvstrata.core.testing.slice_hold import SliceHold
 
@@ -90,7 +90,7 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
     import dataclasses
     import logging
 
-    from kvstrata.core.arrival_board import ArrivalBoard
+    from kvstrata.core.arrival.board import ArrivalBoard
 
     caplog.set_level(logging.WARNING, logger="kvstrata")
     tokens = 64

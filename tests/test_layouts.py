@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kvstrata.core import planner
-from kvstrata.core.layouts import (
+from kvstrata.core.transfer import planner
+from kvstrata.core.transfer.layouts import (
     LayoutError, PagedKVLayout, Region, blocks_layout, sglang_layout, trtllm_pool_layout, vllm_layout,
 )
-from kvstrata.native.reference import ReferenceExecutor
+from kvstrata.core.transfer.torch_executor import TorchExecutor
 
 L, NB, BS, H, HD = 3, 6, 4, 2, 8
 
@@ -21,7 +21,7 @@ def _scatter(layout, regions, tokens=10, seed=0):
     obj = torch.randint(0, 255, layout.object_shape(tokens), dtype=torch.uint8, generator=g)
     block_ids = [[4, 1, 5]]
     job = planner.TransferJob(layout, block_ids, planner.plan_copies([tokens], 16, 0, 0))
-    ReferenceExecutor(regions, [obj]).scatter(job, 0, 0)
+    TorchExecutor(regions, [obj]).scatter(job, 0, 0)
     # compare as int16, not bf16: random bytes include NaNs, which never compare equal
     typed = obj.view(layout.kv_size, layout.num_layers, tokens, H, HD * 2).view(torch.int16)
     return typed, block_ids[0]
@@ -101,7 +101,7 @@ def test_regions_that_are_views_into_a_larger_buffer():
     layout, regions = cpu_page_layout(kv)
     obj = torch.empty(layout.object_shape(2 * BS), dtype=torch.uint8)
     job = planner.TransferJob(layout, [[3, 1]], planner.plan_copies([2 * BS], 2 * BS, 0, 0))
-    ReferenceExecutor(regions, [obj]).gather(job)
+    TorchExecutor(regions, [obj]).gather(job)
     pages = buf.view(L, NB, -1)
     for l in range(L):
         got = obj[0, l].reshape(2, -1).view(torch.int32)

@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
-from kvstrata.core import planner
-from kvstrata.core.layouts import Region, blocks_layout
-from kvstrata.native.reference import ReferenceExecutor
+from kvstrata.core.transfer import planner
+from kvstrata.core.transfer.layouts import Region, blocks_layout
+from kvstrata.core.transfer.torch_executor import TorchExecutor
 
 
 def test_plan_copies_skips_tokens_the_engine_has():
@@ -42,7 +42,7 @@ def test_layer_major_writes_exactly_what_chunk_major_writes_and_calls_back_per_s
         region.zero_()
         job = planner.TransferJob(layout, [[7, 2, 5, 0]], copies)
         seen = []
-        planner.run_transfer(ReferenceExecutor([region], objs), job, width, lambda s, c: seen.append((s, c)))
+        planner.run_transfer(TorchExecutor([region], objs), job, width, lambda s, c: seen.append((s, c)))
         results[width] = region.clone()
         assert seen == planner.layer_slices(6, width)
     for width in (1, 4, 6):
@@ -53,9 +53,9 @@ def test_layer_major_writes_exactly_what_chunk_major_writes_and_calls_back_per_s
 def test_gather_inverts_scatter():
     layout, region, objs = _setup()
     job = planner.TransferJob(layout, [[3, 1, 6, 4]], planner.plan_copies([8, 8], 8, 0, 0))
-    ReferenceExecutor([region], objs).scatter(job, 0, 0)
+    TorchExecutor([region], objs).scatter(job, 0, 0)
     back = [torch.zeros_like(o) for o in objs]
-    ReferenceExecutor([region], back).gather(job)
+    TorchExecutor([region], back).gather(job)
     assert all(torch.equal(a, b) for a, b in zip(objs, back))
 
 

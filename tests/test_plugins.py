@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from kvstrata.adapters import reference
-from kvstrata.core import hookspecs
-from kvstrata.core.client import CacheClient, build_retrieve_payload
-from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.plugins import (
+from kvstrata.core.adapter_api import hookspecs
+from kvstrata.core.wire.client import CacheClient, build_retrieve_payload
+from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.adapter_api.plugins import (
     AdapterCacheClient,
     AdapterImportError,
     AdapterNotFound,
@@ -25,7 +25,7 @@ from kvstrata.core.plugins import (
     discover,
     load_adapter,
 )
-from kvstrata.core.protocol import ProtocolError, RequestType, declaration
+from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 from kvstrata.core.testing.server_process import ServerProcess
 
 

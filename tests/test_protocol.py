@@ -3,13 +3,13 @@
 import msgpack
 import pytest
 
-from kvstrata.core import codec
-from kvstrata.core.protocol import (
+from kvstrata.core.wire import codec
+from kvstrata.core.wire.protocol import (
     DECLARATIONS, RETRIEVE_ITEMS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature,
     validate_payload,
 )
-from kvstrata.core.server import CacheServer, ServerConfig
-from kvstrata.core.transport import Server
+from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+from kvstrata.core.wire.transport import Server
 
 
 def test_every_request_type_is_declared():

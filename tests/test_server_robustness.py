@@ -7,9 +7,9 @@ import socket
 import pytest
 import zmq
 
-from kvstrata.core.protocol import DECLARATIONS, RequestType
+from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.transport import Client, RemoteError
+from kvstrata.core.wire.transport import Client, RemoteError
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_raw_tcp_noise_does_not_take_the_server_down():
 
 
 def test_refuses_non_loopback_bind_by_default():
-    from kvstrata.core.transport import check_bind_address
+    from kvstrata.core.wire.transport import check_bind_address
 
     with pytest.raises(ValueError, match="only loopback"):
         check_bind_address("tcp://0.0.0.0:5555")

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
-from kvstrata.core.shm_ring import Mailbox, RingError, SlotRing
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
+from kvstrata.core.wire.rings import Mailbox, RingError, SlotRing
 from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, new_segment_name
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transport import Client, Deferred, RemoteError, Server, _Peer
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server, _Peer
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
 from test_transport import handler_of_arity, started_server
@@ -156,7 +156,7 @@ def test_rings_the_server_cannot_map_leave_frames_to_zmq(server, monkeypatch, ca
     client = Client(server.address, default_timeout=10)
     try:
         clients_before = client.call(RequestType.SERVER_INFO)["rings"]["clients"]  # the module shares the server
-        with caplog.at_level(logging.WARNING, logger="kvstrata.core.transport"):
+        with caplog.at_level(logging.WARNING, logger="kvstrata.core.wire.transport"):
             assert not client.attach_rings()
         assert "frames travel over ZMQ only" in caplog.text and "ATTACH_RINGS" in caplog.text
         assert client.reply_ring is None
@@ -327,7 +327,7 @@ def test_without_busy_polling_the_zmq_copy_wakes_the_server_and_nothing_is_serve
 
 
 def client_ring_capacity() -> int:
-    from kvstrata.core.shm_ring import REQUEST_SLOT_BYTES, SLOT_HEADER_BYTES
+    from kvstrata.core.wire.rings import REQUEST_SLOT_BYTES, SLOT_HEADER_BYTES
 
     return REQUEST_SLOT_BYTES - SLOT_HEADER_BYTES
 

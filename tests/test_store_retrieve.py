@@ -4,9 +4,9 @@ byte (CPU, chunk-major)."""
 import pytest
 import torch
 
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.transport import RemoteError
+from kvstrata.core.wire.transport import RemoteError
 
 CHUNK = 64  # the `server` fixture's chunk size
 SMALL = ModelShape(num_layers=4, num_heads=2, head_size=16, dtype="bfloat16")
@@ -136,7 +136,7 @@ def test_retrieve_without_lookup_is_refused_and_failed_retrieve_releases_locks(c
 
 
 def test_eviction_under_a_full_pool_keeps_locked_chunks(server):
-    from kvstrata.core.client import CacheClient
+    from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.testing.server_process import ServerProcess
 
     shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")  # 1 KiB/token
@@ -164,7 +164,7 @@ def test_eviction_under_a_full_pool_keeps_locked_chunks(server):
 
 
 def test_full_pool_of_locked_chunks_rejects_store_and_keeps_serving():
-    from kvstrata.core.client import CacheClient
+    from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.testing.server_process import ServerProcess
 
     shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")
@@ -205,7 +205,7 @@ def test_store_skips_chunks_already_stored(client):
 def test_ping_and_lookup_are_answered_while_a_long_transfer_runs(tmp_path):
     """Blocking handlers run on transfer threads: a retrieve held mid-transfer (test-only slice hold) must
     not stall the socket loop."""
-    from kvstrata.core.client import CacheClient
+    from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.testing.server_process import ServerProcess
     from kvstrata.core.testing.slice_hold import SliceHold
 

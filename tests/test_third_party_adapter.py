@@ -26,7 +26,7 @@ def test_third_party_adapter_is_discovered_and_passes_the_suite(tmp_path: Path) 
     env.pop("KVSTRATA_ADAPTER", None)
 
     listed = subprocess.run(
-        [sys.executable, "-c", "from kvstrata.core.plugins import discover; print(sorted(discover()))"],
+        [sys.executable, "-c", "from kvstrata.core.adapter_api.plugins import discover; print(sorted(discover()))"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=True)
     assert "'blockmajor'" in listed.stdout and "'reference'" in listed.stdout, listed.stdout
 

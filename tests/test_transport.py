@@ -17,9 +17,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
-from kvstrata.core.transport import Client, Deferred, RemoteError, Server
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
+from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server
 
 KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
 
@@ -370,7 +370,7 @@ def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_re
     server = serve(2, SlowTransfers(0))
     server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
     server.enable_busy_poll(functools.partial(spin, warm_stream=1), 5.0)
-    with caplog.at_level("WARNING", logger="kvstrata.core.transport"):
+    with caplog.at_level("WARNING", logger="kvstrata.core.wire.transport"):
         with Client(server.address, default_timeout=60) as client:
             good = client.submit(RequestType.RETRIEVE, retrieve_payload(5))
             bad = client.submit(RequestType.RETRIEVE, retrieve_payload(poisoned - 1))
@@ -433,7 +433,7 @@ def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
 
 def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve: Any) -> None:
     """A hands_over_turn handler keeps the socket (no other thread woken) until release_turn; then PING flows."""
-    from kvstrata.core.transport import hands_over_turn
+    from kvstrata.core.wire.transport import hands_over_turn
 
     entered = threading.Event()
     ping_sent = threading.Event()

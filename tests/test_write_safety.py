@@ -14,15 +14,15 @@ import time
 import pytest
 import torch
 
-from kvstrata.core.arrival_board import NO_PROGRESS, ArrivalBoard
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.protocol import RequestType
+from kvstrata.core.arrival.board import NO_PROGRESS, ArrivalBoard
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.shm import Segment
-from kvstrata.core.shm_ring import Mailbox, SlotRing
+from kvstrata.core.wire.rings import Mailbox, SlotRing
 from kvstrata.core.shm import SegmentKind
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transport import RemoteError
+from kvstrata.core.wire.transport import RemoteError
 
 from helpers import SMALL_32, random_prompt
 

@@ -22,15 +22,15 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.hookspecs import (
+from kvstrata.core.adapter_api.hookspecs import (
     AdapterInfo,
     HarnessSpec,
     NotSupported,
     WorkerOptions,
     hookimpl,
 )
-from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
-from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as this adapter's hooks)
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
+from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (registered as this adapter's hooks)
     kvstrata_build_retrieve_payload,
     kvstrata_poll_released,
     kvstrata_take_failed,
@@ -38,7 +38,7 @@ from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as this 
     layerwise_worker,
 )
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine, synthetic_kv
-from kvstrata.native.reference import plane_view, scatter_staged
+from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
 NAME = "reference"
 
@@ -109,7 +109,7 @@ def kvstrata_conformance_harness(spec: HarnessSpec) -> "ReferenceConformanceEngi
 
 
 class ReferenceConformanceEngine:
-    """The reference engine as a :class:`~kvstrata.core.hookspecs.ConformanceEngine`.
+    """The reference engine as a :class:`~kvstrata.core.adapter_api.hookspecs.ConformanceEngine`.
 
     Supports hybrid caches: with ``kv_groups > 1`` each group of layers has its
     own block table (``allocate`` hands out distinct blocks per group), which

@@ -20,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, WorkerOptions, hookimpl
-from kvstrata.core.layouts import DTYPE_SIZES, PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region
-from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as this adapter's hooks)
+from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, NotSupported, WorkerOptions, hookimpl
+from kvstrata.core.transfer.layouts import DTYPE_SIZES, PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region
+from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (registered as this adapter's hooks)
     kvstrata_build_retrieve_payload,
     kvstrata_poll_released,
     kvstrata_take_failed,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.layouts import LayoutError, PagedKVLayout, Region, vllm_layout
+from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout, Region, vllm_layout
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

@@ -12,9 +12,9 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterable
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey, pack_tokens
-from kvstrata.core.protocol import RequestType
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey, pack_tokens
+from kvstrata.core.wire.protocol import RequestType
 
 from .settings import ConnectorSettings
 

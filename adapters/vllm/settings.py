@@ -43,7 +43,7 @@ class ConnectorSettings:
                 break
         address = extra.get("server_address")
         if not address:
-            from kvstrata.core.transport import default_address
+            from kvstrata.core.wire.transport import default_address
 
             address = default_address()
         return cls(

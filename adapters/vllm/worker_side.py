@@ -15,12 +15,12 @@ from typing import Any, Iterable
 
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
-from kvstrata.core.protocol import RequestType
-from kvstrata.core.staging import StagingStore
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.transfer.staging import StagingStore
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from .kv_layout import cpu_page_layout, cuda_layout, layer_index
 from .settings import ConnectorSettings

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstrata.adapters import reference
-from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
+from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
 
 
 class _ReferenceBased:

@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from kvstrata.core.layouts import PagedKVLayout, Region, blocks_layout, blocks_layout_bytes, DTYPE_SIZES
+from kvstrata.core.transfer.layouts import PagedKVLayout, Region, blocks_layout, blocks_layout_bytes, DTYPE_SIZES
 from kvstrata.core.shm import Segment
-from kvstrata.native.reference import gather_staged, plane_view, scatter_staged
+from kvstrata.core.transfer.torch_executor import gather_staged, plane_view, scatter_staged
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.transport import RequestTimeout, RemoteError
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.transport import RequestTimeout, RemoteError
 
 if TYPE_CHECKING:
-    from .slice_hold import SliceHold
+    from kvstrata.core.testing.slice_hold import SliceHold
 
 
 COUNT_FILE_VARIABLE = "KVSTRATA_TEST_SERVER_COUNT_FILE"

@@ -123,14 +123,14 @@ class SliceHold:
     # --- the copying side --------------------------------------------------------------------
 
     def install(self) -> None:
-        from kvstrata.core import planner
+        from kvstrata.core.transfer import planner
 
         if planner._slice_hook is not None:
             raise RuntimeError("a slice hold is already installed in this process")
         planner._slice_hook = self.on_slice
 
     def uninstall(self) -> None:
-        from kvstrata.core import planner
+        from kvstrata.core.transfer import planner
 
         if planner._slice_hook == self.on_slice:
             planner._slice_hook = None

@@ -17,7 +17,7 @@ import torch
 
 CHILD = textwrap.dedent("""
     import sys, msgpack, torch
-    from kvstrata.core.layouts import Region
+    from kvstrata.core.transfer.layouts import Region
     from kvstrata.native.cuda_ipc import open_region
     msg = msgpack.unpackb(open(sys.argv[1], "rb").read(), raw=False)
     region = Region.from_wire(msg["region"])

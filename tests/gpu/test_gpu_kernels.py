@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from kvstrata.core import planner
-from kvstrata.core.l1_store import L1Store
+from kvstrata.core.transfer import planner
+from kvstrata.core.store.l1_store import L1Store
 
 from gpu_helpers import FORMAT_CASES, WIDTHS, shuffled_blocks
 

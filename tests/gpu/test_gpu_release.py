@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from gpu_helpers import release_then_read, shuffled_blocks
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from gpu_helpers import FORMAT_CASES, WIDTHS, next_instance_id, release_then_read, shuffled_blocks
 

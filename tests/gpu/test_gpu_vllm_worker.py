@@ -18,8 +18,8 @@ import torch
 
 from kvstrata.adapters.vllm.settings import ConnectorSettings
 from kvstrata.adapters.vllm.worker_side import WorkerSide
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey, pack_tokens
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey, pack_tokens
 
 L, NB, H, BS, HD = 32, 300, 8, 16, 128
 

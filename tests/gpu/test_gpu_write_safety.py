@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.core.client import CacheClient
-from kvstrata.core.keys import CacheKey
-from kvstrata.core.layouts import Region, blocks_layout
-from kvstrata.core.transport import RemoteError
-from kvstrata.core.worker import LayerwiseWorker
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import Region, blocks_layout
+from kvstrata.core.wire.transport import RemoteError
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from gpu_helpers import next_instance_id, release_then_read, shuffled_blocks
 
@@ -36,7 +36,7 @@ def test_a_cuda_region_larger_than_its_allocation_is_refused(gpu_server):
 
 
 def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
-    from kvstrata.core.arrival_board import ArrivalBoard
+    from kvstrata.core.arrival.board import ArrivalBoard
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 

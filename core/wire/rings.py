@@ -9,12 +9,12 @@ polls for finished transfers every step. So a client on the server's host
 attaches two rings (ATTACH_RINGS): it writes each request into its request ring
 before sending it, which the server's spin watches; the server writes each reply
 into the reply ring before sending it, which the client's
-:meth:`~kvstrata.core.transport.Client.poll` reads.
+:meth:`~kvstrata.core.wire.transport.Client.poll` reads.
 
 ZMQ stays the carrier of record: every frame still goes over the socket, each
 request is served and each reply resolved once, from whichever copy comes first,
 and the server takes a request from the ring only when it is the next one that
-client sent (see :class:`kvstrata.core.transport.Server`), so order is kept. A
+client sent (see :class:`kvstrata.core.wire.transport.Server`), so order is kept. A
 ring that is full, too small for a frame, lapped by its writer or never attached
 costs only the speed-up; the rings need no flow control and no acknowledgements.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import (CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, attach_control_segment,
+from kvstrata.core.shm import (CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, attach_control_segment,
                   create_control_segment)
 
 log = logging.getLogger(__name__)

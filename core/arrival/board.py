@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, attach_control_segment, create_control_segment
+from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, attach_control_segment, create_control_segment
 
 SLOT_BYTES = 64
 _WORDS_PER_SLOT = SLOT_BYTES // 8

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arrival_board import MAX_GENERATION, ArrivalBoard, Progress
-from .events import EventBackend
+from kvstrata.core.arrival.board import MAX_GENERATION, ArrivalBoard, Progress
+from kvstrata.core.arrival.events import EventBackend
 
 log = logging.getLogger(__name__)
 

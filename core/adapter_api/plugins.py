@@ -34,9 +34,9 @@ from typing import Any, Sequence
 
 import pluggy
 
-from . import hookspecs
-from .client import CacheClient, build_retrieve_payload
-from .hookspecs import (
+from kvstrata.core.adapter_api import hookspecs
+from kvstrata.core.wire.client import CacheClient, build_retrieve_payload
+from kvstrata.core.adapter_api.hookspecs import (
     ENTRY_POINT_GROUP,
     PROJECT_NAME,
     REQUIRED_HOOKS,
@@ -47,9 +47,9 @@ from .hookspecs import (
     WorkerOptions,
     hookimpl,
 )
-from .keys import CacheKey
-from .layouts import PagedKVLayout
-from .protocol import ProtocolError, RequestType, declaration
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class _CoreDefaults:
     @hookimpl(trylast=True)
     def kvstrata_create_worker(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, kv_caches: Any,
                                placement: str, options: WorkerOptions) -> Any:
-        from .adapter_defaults import layerwise_worker
+        from kvstrata.core.adapter_api.defaults import layerwise_worker
 
         return layerwise_worker(client, instance_id, layout, placement, options)
 
@@ -208,12 +208,12 @@ def load_adapter(spec: str | Any, *, check_engine: bool = True) -> "Adapter":
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise HookSignatureError(
-            f"adapter {name!r} ({source.origin}): {exc} (the hooks are specified in kvstrata.core.hookspecs)") from None
+            f"adapter {name!r} ({source.origin}): {exc} (the hooks are specified in kvstrata.core.adapter_api.hookspecs)") from None
     _check_required(pm, plugin, name, source)
     info = pm.hook.kvstrata_adapter_info()
     if not isinstance(info, AdapterInfo):
         raise HookResultError(f"adapter {name!r}: kvstrata_adapter_info returned {type(info).__name__}, "
-                              "expected kvstrata.core.hookspecs.AdapterInfo")
+                              "expected kvstrata.core.adapter_api.hookspecs.AdapterInfo")
     if check_engine:
         check_engine_package(info, name)
     return Adapter(name=name, info=info, pm=pm, plugin=plugin, source=source)
@@ -225,7 +225,7 @@ def _spec_hint(pm: pluggy.PluginManager, message: str) -> str:
         if hook_name.startswith("kvstrata_") and f"'{hook_name}'" in message:
             spec = getattr(pm.hook, hook_name).spec
             if spec is not None:
-                return (f"\n  kvstrata.core.hookspecs.{hook_name} passes ({', '.join(spec.argnames)}); an "
+                return (f"\n  kvstrata.core.adapter_api.hookspecs.{hook_name} passes ({', '.join(spec.argnames)}); an "
                         "implementation takes any of those, by name, and nothing else")
     return ""
 
@@ -240,8 +240,8 @@ def _check_required(pm: pluggy.PluginManager, plugin: Any, name: str, source: Ad
     if missing:
         raise MissingHookError(
             f"adapter {name!r} ({source.origin}) does not implement required hook(s): {', '.join(missing)}. "
-            "Every adapter implements kvstrata.core.hookspecs.REQUIRED_HOOKS, each marked with "
-            "kvstrata.core.hookspecs.hookimpl")
+            "Every adapter implements kvstrata.core.adapter_api.hookspecs.REQUIRED_HOOKS, each marked with "
+            "kvstrata.core.adapter_api.hookspecs.hookimpl")
 
 
 def check_engine_package(info: AdapterInfo, name: str | None = None) -> None:
@@ -297,7 +297,7 @@ class Adapter:
         layout = self.hook.kvstrata_describe_kv_layout(kv_caches=kv_caches, placement=placement)
         if not isinstance(layout, PagedKVLayout):
             raise HookResultError(f"adapter {self.name!r}: kvstrata_describe_kv_layout returned "
-                                  f"{type(layout).__name__}, expected kvstrata.core.layouts.PagedKVLayout")
+                                  f"{type(layout).__name__}, expected kvstrata.core.transfer.layouts.PagedKVLayout")
         return layout
 
     def build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
@@ -315,14 +315,14 @@ class Adapter:
 
     def create_worker(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, kv_caches: Any,
                       placement: str, options: WorkerOptions | None = None) -> Any:
-        from .worker import LayerwiseWorker
+        from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
         worker = self.hook.kvstrata_create_worker(client=client, instance_id=instance_id, layout=layout,
                                                   kv_caches=kv_caches, placement=placement,
                                                   options=options or WorkerOptions())
         if not isinstance(worker, LayerwiseWorker):
             raise HookResultError(f"adapter {self.name!r}: kvstrata_create_worker returned "
-                                  f"{type(worker).__name__}, expected a kvstrata.core.worker.LayerwiseWorker")
+                                  f"{type(worker).__name__}, expected a kvstrata.core.engine.layerwise_worker.LayerwiseWorker")
         return worker
 
     def poll_released(self, worker: Any) -> list[str]:

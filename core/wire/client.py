@@ -5,10 +5,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from .keys import CacheKey
-from .layouts import PagedKVLayout
-from .protocol import RequestType, chunk_major_retrieve_tail
-from .transport import Client
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.wire.protocol import RequestType, chunk_major_retrieve_tail
+from kvstrata.core.wire.transport import Client
 
 
 def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,

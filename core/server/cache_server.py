@@ -14,17 +14,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from . import planner
-from .arrival_board import ArrivalBoard, pack
-from .keys import CacheKey
-from .l1_store import L1Store, StoreFull, StoredObject
-from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
-from .protocol import RequestType
-from .targets import Completion, HostSignal, Target, open_target
-from .shm import SegmentKindError, sweep_stale_segments
-from .transport import Deferred, Server, hands_over_turn
+from kvstrata.core.transfer import planner
+from kvstrata.core.arrival.board import ArrivalBoard, pack
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
+from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
+from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
+from kvstrata.core.wire.transport import Deferred, Server, hands_over_turn
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,13 @@ class _RetrievePlan:
 
 
 class CacheServer:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, target_openers: Mapping[str, TargetOpener] | None = None) -> None:
+        """``target_openers``: region kinds beyond shared memory this server can write into, by kind
+        (``kvstrata serve`` passes :func:`kvstrata.native.target_openers`: CUDA IPC)."""
         if config.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
         self.config = config
+        self.target_openers = dict(target_openers or {})
         sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
         self._instances: dict[int, _Instance] = {}
@@ -148,7 +151,7 @@ class CacheServer:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
         layout = PagedKVLayout.from_wire(descriptor)
-        target = open_target(layout, self.store.pool, pool_segment=self.store.segment)
+        target = open_target(layout, self.store.pool, pool_segment=self.store.segment, openers=self.target_openers)
         with self._lock:
             old = self._instances.get(instance_id)
             if old is not None and not self._may_replace(old, caller):
@@ -471,7 +474,7 @@ class CacheServer:
 
         Layer-major: the board slot's "complete" word, which the worker settles on.
         Chunk-major: the request's id, in a slot of the client's mailbox that holds
-        the reply already (:class:`~kvstrata.core.shm_ring.Mailbox`). Either way an
+        the reply already (:class:`~kvstrata.core.wire.rings.Mailbox`). Either way an
         engine polling its memory learns of the end with no server thread between
         the copy's end and it; the reply still follows as usual.
         """

@@ -26,7 +26,7 @@ Client: the caller's thread sends; one I/O thread waits for replies and
 resolves futures.
 
 A client on the server's host may also attach shared-memory rings
-(:mod:`kvstrata.core.shm_ring`, ATTACH_RINGS), so that neither side's ZMQ I/O
+(:mod:`kvstrata.core.wire.rings`, ATTACH_RINGS), so that neither side's ZMQ I/O
 thread has to wake on the way: it writes each request into its request ring
 before sending it, and the server's spin sees it there; the server writes each
 reply into the reply ring before sending it, and a client that polls
@@ -55,10 +55,10 @@ from typing import Any, Callable
 
 import zmq
 
-from . import codec
-from .protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
-from .shm import Segment, SegmentKind
-from .shm_ring import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
+from kvstrata.core.wire import codec
+from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
+from kvstrata.core.shm import Segment, SegmentKind
+from kvstrata.core.wire.rings import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
                        REQUEST_SLOTS, Mailbox, SlotRing)
 
 log = logging.getLogger(__name__)
@@ -699,7 +699,7 @@ class Server:
         """For the blocking request this thread is serving: a free slot of its client's mailbox, or None.
 
         Lent until the request's reply has gone out (one per request); see
-        :class:`~kvstrata.core.shm_ring.Mailbox` for what the slot is for.
+        :class:`~kvstrata.core.wire.rings.Mailbox` for what the slot is for.
         """
         current = getattr(self._local, "request", None)
         if current is None or getattr(self._local, "mail", None) is not None:

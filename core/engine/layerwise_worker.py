@@ -31,15 +31,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import planner
-from .arrival_gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
-from .arrival_pool import ArrivalPool, ArrivalSlot
-from .client import CacheClient
-from .events import EventBackend, HostEventBackend
-from .keys import CacheKey
-from .layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
-from .protocol import RequestType
-from .shm import Segment
+from kvstrata.core.transfer import planner
+from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
+from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.arrival.events import EventBackend, HostEventBackend
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
+from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.shm import Segment
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +220,9 @@ class LayerwiseWorker:
             objects = [pool[o:o + nb].view(kv, layers, t, heads, hb) for o, nb, t in reply["objects"]]
             copies = planner.plan_copies([t for _, _, t in reply["objects"]], self.chunk_size, 0, skip)
             job = planner.TransferJob(self.layout, blocks, copies)
-            from kvstrata.native.reference import ReferenceExecutor
+            from kvstrata.core.transfer.torch_executor import TorchExecutor
 
-            executor = ReferenceExecutor(self.local_regions, objects)
+            executor = TorchExecutor(self.local_regions, objects)
             planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c), request_id)
             return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
         except BaseException as exc:

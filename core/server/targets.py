@@ -3,22 +3,23 @@
 A target wraps a :class:`PagedKVLayout` with the memory behind it and gives the
 server an executor for a set of L1 objects plus the completion hooks of its
 device. The shared-memory target (CPU engines whose cache lives in shared
-memory, such as the reference engine) is here; the CUDA IPC target lives in
-``kvstrata.native.cuda_target`` and is imported only when a descriptor asks for
-it, so the server runs without CUDA.
+memory, such as the reference engine) is here. Other region kinds come from
+*target openers* the server is built with: ``kvstrata serve`` passes
+``kvstrata.native``'s CUDA IPC opener, so the core never imports native code and
+the server runs without CUDA.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from .l1_store import StoredObject, object_view
-from .layouts import PagedKVLayout, LayoutError
-from .planner import Executor
-from .shm import Segment, read_control_header
+from kvstrata.core.store.l1_store import StoredObject, object_view
+from kvstrata.core.transfer.layouts import PagedKVLayout, LayoutError
+from kvstrata.core.transfer.planner import Executor
+from kvstrata.core.shm import Segment, read_control_header
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,9 @@ class ShmTarget:
             raise
 
     def executor(self, objects: Sequence[StoredObject]) -> Executor:
-        from kvstrata.native.reference import ReferenceExecutor
+        from kvstrata.core.transfer.torch_executor import TorchExecutor
 
-        return ReferenceExecutor(self.regions, [object_view(self.pool, o) for o in objects])
+        return TorchExecutor(self.regions, [object_view(self.pool, o) for o in objects])
 
     def open_layer_events(self, handles: list[bytes] | None) -> list[Any] | None:
         if handles:
@@ -165,15 +166,21 @@ class ShmTarget:
         self._segments.clear()
 
 
-def open_target(layout: PagedKVLayout, pool: torch.Tensor, pool_segment: Segment | None = None) -> Target:
-    """The target for a descriptor's memory regions (``pool_segment``: the server's L1 pool, refused as one)."""
+TargetOpener = Callable[[PagedKVLayout, torch.Tensor], "Target"]
+"""Opens a target for a descriptor whose regions are all of one kind: ``(layout, l1 pool) -> Target``."""
+
+
+def open_target(layout: PagedKVLayout, pool: torch.Tensor, pool_segment: Segment | None = None,
+                openers: Mapping[str, TargetOpener] | None = None) -> Target:
+    """The target for a descriptor's memory regions (``pool_segment``: the server's L1 pool, refused as one).
+
+    ``shm`` regions are opened here; any other kind by ``openers[kind]``.
+    """
     kinds = {r.kind for r in layout.regions}
     if kinds == {"shm"}:
         return ShmTarget(layout, pool, pool_segment)
-    if kinds == {"cuda_ipc"}:
-        try:
-            from kvstrata.native.cuda_target import CudaIpcTarget
-        except ImportError as exc:
-            raise LayoutError(f"CUDA IPC registration needs the CUDA target, which failed to import: {exc}") from None
-        return CudaIpcTarget(layout, pool)
-    raise LayoutError(f"unsupported memory region kinds {sorted(kinds)}: expected all 'shm' or all 'cuda_ipc'")
+    if len(kinds) == 1 and openers and next(iter(kinds)) in openers:
+        return openers[next(iter(kinds))](layout, pool)
+    known = sorted({"shm", *(openers or {})})
+    raise LayoutError(f"unsupported memory region kinds {sorted(kinds)}: this server opens regions of one kind "
+                      f"among {known} (kvstrata serve adds 'cuda_ipc' where CUDA is available)")

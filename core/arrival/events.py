@@ -6,7 +6,7 @@ property and its device as ``device``; nothing reaches into private names.
 * :class:`HostEventBackend` (CPU): no events. A slice is usable once the
   arrival count covers it, because a CPU copy is complete when the server
   publishes the count.
-* ``CudaEventBackend`` (``kvstrata.native.cuda_events``): one interprocess CUDA
+* ``CudaEventBackend`` (``kvstrata.native.cuda_events``, chosen by an adapter's event-backend hook): one interprocess CUDA
   event per layer, exported once per pool slot and sent as bytes; the worker
   makes its compute stream wait on the event instead of blocking the CPU.
 """
@@ -42,14 +42,3 @@ class HostEventBackend:
 
     def wait(self, event: Any) -> None:
         return None
-
-
-def event_backend_for(device: str) -> EventBackend:
-    """The backend for a device string: ``cpu`` or ``cuda[:N]``."""
-    if device == "cpu":
-        return HostEventBackend()
-    if device.startswith("cuda"):
-        from kvstrata.native.cuda_events import CudaEventBackend
-
-        return CudaEventBackend(device)
-    raise ValueError(f"no event backend for device {device!r}: expected 'cpu' or 'cuda[:N]'")

@@ -121,7 +121,7 @@ CACHE_KEY = map_with(
     "CacheKey{request_id,model,world_size,rank,salt,tokens}",
 )
 """Identifies a request's token sequence (int64 little-endian token ids) and the
-model shard it belongs to. See :mod:`kvstrata.core.keys`."""
+model shard it belongs to. See :mod:`kvstrata.core.store.keys`."""
 
 BOARD_REF = map_with(
     {"name": STR, "slot": NONNEG_INT, "generation": NONNEG_INT},
@@ -135,7 +135,7 @@ RING_REF = map_with(
     "RingRef{name,slots,slot_bytes}",
 )
 """Names one of a client's rings: a shared-memory segment on the server's host that carries copies of
-that client's requests or replies (see :mod:`kvstrata.core.shm_ring`)."""
+that client's requests or replies (see :mod:`kvstrata.core.wire.rings`)."""
 
 KV_CACHE_DESCRIPTOR = map_with(
     {"format": STR, "placement": STR, "num_layers": INT, "kv_size": INT},

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.core import layouts
-from kvstrata.core.layouts import Region
-from kvstrata.native.reference import gather_staged, layer_span_view, plane_view, scatter_staged
+from kvstrata.core.transfer import layouts
+from kvstrata.core.transfer.layouts import Region
+from kvstrata.core.transfer.torch_executor import gather_staged, layer_span_view, plane_view, scatter_staged
 
 L, H, D, BS, NB = 4, 2, 8, 4, 12
 
@@ -72,8 +72,8 @@ def test_scatter_and_gather_match_per_token_indexing(kind: str, fast: bool, firs
 def test_executor_one_copy_per_slice_when_objects_and_slots_line_up(consecutive: bool, width: int) -> None:
     """Objects back to back in one pool into consecutive slots take one copy per plane and slice;
     anything else takes the per-copy path. Both must write exactly the objects' bytes."""
-    from kvstrata.core import planner
-    from kvstrata.native.reference import ReferenceExecutor
+    from kvstrata.core.transfer import planner
+    from kvstrata.core.transfer.torch_executor import TorchExecutor
 
     lay, regions = make("blocks")
     T, n_obj = BS * 2, 3  # chunks of two blocks
@@ -82,7 +82,7 @@ def test_executor_one_copy_per_slice_when_objects_and_slots_line_up(consecutive:
                for i in range(n_obj)]
     blocks = [3, 4, 5, 6, 7, 8] if consecutive else [3, 4, 9, 6, 7, 8]
     job = planner.TransferJob(lay, [blocks], planner.plan_copies([T] * n_obj, T, 0, 0))
-    ex = ReferenceExecutor(regions, objects)
+    ex = TorchExecutor(regions, objects)
     planner.run_transfer(ex, job, width)
     assert (ex._back_to_back(job) is not None) == consecutive
     for layer in range(L):

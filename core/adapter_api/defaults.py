@@ -5,7 +5,7 @@ core's policy; an adapter's own part is *when* its engine calls them. An
 adapter whose engine needs nothing special imports these into its module
 (pluggy registers a module's marked attributes, imported or not)::
 
-    from kvstrata.core.adapter_defaults import (  # noqa: F401  (registered as hooks)
+    from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (registered as hooks)
         kvstrata_build_retrieve_payload, kvstrata_poll_released, kvstrata_take_failed, kvstrata_wait_for_layer)
 
 and writes only the engine-specific hooks (info, layout, harness).
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .hookspecs import RetrieveRequest, WorkerOptions, hookimpl
-from .layouts import PagedKVLayout
+from kvstrata.core.adapter_api.hookspecs import RetrieveRequest, WorkerOptions, hookimpl
+from kvstrata.core.transfer.layouts import PagedKVLayout
 
 
 @hookimpl
 def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
-    from .plugins import default_retrieve_payload
+    from kvstrata.core.adapter_api.plugins import default_retrieve_payload
 
     return default_retrieve_payload(request)
 
@@ -46,7 +46,7 @@ def kvstrata_take_failed(worker: Any) -> dict[str, tuple[list[list[int]], str]]:
 def layerwise_worker(client: Any, instance_id: int, layout: PagedKVLayout, placement: str, options: WorkerOptions,
                      local_regions: Sequence[Any] | None = None, **kwargs: Any) -> Any:
     """A LayerwiseWorker with the deployment's options: what ``kvstrata_create_worker`` usually returns."""
-    from .worker import LayerwiseWorker
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
     return LayerwiseWorker(client, instance_id, layout, placement=placement, local_regions=local_regions,
                            pool_slots=options.pool_slots, release_after_layers=options.release_after_layers,

@@ -15,10 +15,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .client import CacheClient
-from .keys import CacheKey, unpack_tokens, pack_tokens
-from .layouts import DTYPE_SIZES, PagedKVLayout, Region, blocks_layout, blocks_layout_bytes
-from .shm import Segment
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.store.keys import CacheKey, unpack_tokens, pack_tokens
+from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, blocks_layout, blocks_layout_bytes
+from kvstrata.core.shm import Segment
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class StagingStore:
         self.regions = [torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=size)]
 
     def _copy_blocks(self, engine_blocks: Sequence[int]) -> None:
-        from kvstrata.native.reference import plane_view
+        from kvstrata.core.transfer.torch_executor import plane_view
 
         for layer in range(self.engine_layout.num_layers):
             for k in range(self.engine_layout.kv_size):

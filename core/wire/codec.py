@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-from .protocol import RequestType
+from kvstrata.core.wire.protocol import RequestType
 
 WIRE_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024 * 1024

@@ -24,7 +24,7 @@ from typing import Iterable
 
 import torch
 
-from .shm import Segment
+from kvstrata.core.shm import Segment
 
 log = logging.getLogger(__name__)
 

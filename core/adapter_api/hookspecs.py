@@ -1,6 +1,6 @@
 """The hook specification every kvstrata engine adapter implements.
 
-kvstrata's core (server, planner, arrival machinery, :class:`~kvstrata.core.worker.LayerwiseWorker`)
+kvstrata's core (server, planner, arrival machinery, :class:`~kvstrata.core.engine.layerwise_worker.LayerwiseWorker`)
 knows nothing about any engine. An *adapter* is the engine-specific part: it
 describes the engine's paged KV cache, builds the RETRIEVE requests, hands
 requests back to the engine's scheduler, and makes the engine wait before it
@@ -15,14 +15,14 @@ entry-point group::
     myengine = "myengine_kvstrata.adapter"
 
     # myengine_kvstrata/adapter.py
-    from kvstrata.core.hookspecs import AdapterInfo, hookimpl
+    from kvstrata.core.adapter_api.hookspecs import AdapterInfo, hookimpl
 
     @hookimpl
     def kvstrata_adapter_info():
         return AdapterInfo(name="myengine", engine="MyEngine", engine_package="myengine",
                            pip_extra="myengine")
 
-:mod:`kvstrata.core.plugins` loads it (``load_adapter("myengine")`` or
+:mod:`kvstrata.core.adapter_api.plugins` loads it (``load_adapter("myengine")`` or
 ``load_adapter("myengine_kvstrata.adapter")``), and ``pytest --pyargs
 kvstrata.conformance_tests --adapter myengine`` proves it speaks the protocol.
 
@@ -46,7 +46,7 @@ implementation, which lets an observer plugin (tracing, metrics) sit beside
 the adapter.
 
 The engine-side calls follow the worker's four operations (see
-:mod:`kvstrata.core.worker`): the adapter owns *when* they happen in its
+:mod:`kvstrata.core.engine.layerwise_worker`): the adapter owns *when* they happen in its
 engine's step, the core owns *what* they do.
 """
 
@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import pluggy
 
-from .keys import CacheKey
+from kvstrata.core.store.keys import CacheKey
 
 if TYPE_CHECKING:  # only for annotations: keeps this module importable without building anything
-    from .client import CacheClient
-    from .layouts import PagedKVLayout
-    from .worker import LayerwiseWorker
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.transfer.layouts import PagedKVLayout
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 PROJECT_NAME = "kvstrata"
 ENTRY_POINT_GROUP = "kvstrata.adapters"
@@ -110,7 +110,7 @@ class RetrieveRequest:
 
     ``arrival_board``, ``layer_event_handles`` and ``layers_per_stage`` are
     ``None, None, 0`` for a chunk-major retrieve; the wire payload keeps all
-    eight items either way (see :data:`kvstrata.core.protocol.RETRIEVE_ITEMS`).
+    eight items either way (see :data:`kvstrata.core.wire.protocol.RETRIEVE_ITEMS`).
     """
 
     key: CacheKey
@@ -125,7 +125,7 @@ class RetrieveRequest:
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """The knobs of :class:`~kvstrata.core.worker.LayerwiseWorker` an engine deployment sets."""
+    """The knobs of :class:`~kvstrata.core.engine.layerwise_worker.LayerwiseWorker` an engine deployment sets."""
 
     pool_slots: int = 8
     release_after_layers: int = 1
@@ -211,14 +211,14 @@ REQUIRED_HOOKS: tuple[str, ...] = (
     "kvstrata_conformance_harness",
 )
 """Hooks an adapter must implement itself. ``kvstrata_create_worker`` is optional:
-the core supplies a default (see :mod:`kvstrata.core.plugins`)."""
+the core supplies a default (see :mod:`kvstrata.core.adapter_api.plugins`)."""
 
 
 @hookspec(firstresult=True)
 def kvstrata_adapter_info() -> AdapterInfo:
     """Name the adapter, its engine and the package the engine imports as.
 
-    Called by the plugin manager (:func:`kvstrata.core.plugins.load_adapter`)
+    Called by the plugin manager (:func:`kvstrata.core.adapter_api.plugins.load_adapter`)
     once, right after registering the adapter and before any other hook, so
     that a missing engine package is reported by name with the pip extra that
     installs it. Must not import the engine.
@@ -238,8 +238,8 @@ def kvstrata_describe_kv_layout(kv_caches: Any, placement: str) -> "PagedKVLayou
     ``kv_caches`` is whatever the engine hands over, unchanged. ``placement``
     is ``"server"`` (the server writes into the cache: shared memory or CUDA
     IPC regions) or ``"worker"`` (this process copies). Return a
-    :class:`~kvstrata.core.layouts.PagedKVLayout` whose regions the server can
-    open for that placement; the constructors in :mod:`kvstrata.core.layouts`
+    :class:`~kvstrata.core.transfer.layouts.PagedKVLayout` whose regions the server can
+    open for that placement; the constructors in :mod:`kvstrata.core.transfer.layouts`
     cover vLLM, SGLang, TensorRT-LLM and the reference engine. A hybrid model
     sets ``layer_groups``; the core then runs its retrieves chunk-major.
     """
@@ -252,11 +252,11 @@ def kvstrata_create_worker(client: "CacheClient", instance_id: int, layout: "Pag
 
     Called once per engine worker process by the connector (and by the
     conformance suite) after :func:`kvstrata_describe_kv_layout`. ``client``
-    is the adapter-bound client from :meth:`kvstrata.core.plugins.Adapter.client`:
+    is the adapter-bound client from :meth:`kvstrata.core.adapter_api.plugins.Adapter.client`:
     it builds every RETRIEVE through :func:`kvstrata_build_retrieve_payload`.
     Implement it to choose an event backend (CUDA events on a GPU) or to pass
     ``local_regions`` for worker placement; the default builds a
-    :class:`~kvstrata.core.worker.LayerwiseWorker` with the host event backend
+    :class:`~kvstrata.core.engine.layerwise_worker.LayerwiseWorker` with the host event backend
     and the given options. The caller registers the cache (``worker.register()``).
     """
 
@@ -268,11 +268,11 @@ def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
     Called by the adapter-bound client every time a retrieve is sent (the
     worker's ``submit_retrieve``, for chunk-major and layer-major alike), and
     by any adapter code that talks to the server itself. The list must match
-    :data:`kvstrata.core.protocol.RETRIEVE_ITEMS` exactly: eight items, in
+    :data:`kvstrata.core.wire.protocol.RETRIEVE_ITEMS` exactly: eight items, in
     order, with ``None, None, 0`` as the last three for a chunk-major retrieve
     (never a shorter list: the server rejects a wrong length, so appending the
     layer-major fields only when enabled breaks every chunk-major retrieve).
-    Delegate to :func:`kvstrata.core.client.build_retrieve_payload` unless the
+    Delegate to :func:`kvstrata.core.wire.client.build_retrieve_payload` unless the
     engine needs something it cannot express. The suite checks what actually
     arrives on the server's socket, not what this returns.
     """

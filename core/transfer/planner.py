@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
-from .layouts import PagedKVLayout
+from kvstrata.core.transfer.layouts import PagedKVLayout
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from kvstrata.core.layouts import PagedKVLayout
-from kvstrata.core.planner import TransferJob
+from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.transfer.planner import TransferJob
 
 
 def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: int, plane: int) -> torch.Tensor:
@@ -151,7 +151,7 @@ def gather_staged(out: torch.Tensor, regions: Sequence[torch.Tensor], layout: Pa
                 dst[tok:tok + n].copy_(src[block, off:off + n])
 
 
-class ReferenceExecutor:
+class TorchExecutor:
     """Runs transfer plans with torch on CPU tensors.
 
     ``objects[i]`` is the ``[kv, layers, tokens, heads, head_bytes]`` uint8 view of
