@@ -3,7 +3,7 @@
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
 #   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer; default all]
-#   (TRANSFER_ARGS: more arguments for transfer.py, e.g. --ab no_defer=KVSTRATA_DEFERRED_REPLIES=0)
+#   (TRANSFER_ARGS: more arguments for transfer.py, e.g. --ab no_defer=--no-deferred-replies)
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
 phases="${2:-tests,profile,transfer}"

@@ -38,7 +38,7 @@ def install_tracing(path: str) -> None:
     from kvstrata.core.transfer import planner
     from kvstrata.core.wire import transport
     from kvstrata.core.wire.protocol import DECLARATIONS
-    from kvstrata.core.server.cache_server import cache_server as server_mod
+    from kvstrata.core.server import cache_server as server_mod
     from kvstrata.core.transfer import torch_executor
 
     out = open(path, "a")
@@ -79,10 +79,10 @@ def install_tracing(path: str) -> None:
     wrap(transport.Server, "_decode", "recv", None)
     wrap(server_mod.CacheServer, "retrieve", "handler_in", "handler_out")
     wrap(server_mod.CacheServer, "_locked_objects", "locate_in", "objects_located")
-    wrap(server_mod.CacheServer, "_instance", None, "instance")
+    wrap(server_mod.CacheServer, "_acquire", None, "instance")
     wrap(server_mod.CacheServer, "_retrieve_into_cache", "into_cache", None)
     wrap(server_mod.CacheServer, "store_kv", "store_in", "store_out")
-    wrap(arrival_board.ArrivalBoard, "publish", None, "publish")
+    wrap(board.ArrivalBoard, "publish", None, "publish")
     wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
     wrap(transport.Server, "_settle", "settle_in", "settled")
     answering = threading.local()  # set while a thread answers a transfer (its handler's thread or the poller)
@@ -115,17 +115,17 @@ def install_tracing(path: str) -> None:
     transport.Server._send = send  # type: ignore[method-assign]
     orig_run = transport.Server._run
 
-    def run_request(self: Any, request: Any) -> bytes:
+    def run_request(self: Any, request: Any, *a: Any) -> bytes:
         try:
-            return orig_run(self, request)
+            return orig_run(self, request, *a)
         finally:
             if not DECLARATIONS[request.request_type].blocking:
                 held.clear()  # a PING's or LOOKUP's marks are not part of any transfer's timeline
 
     transport.Server._run = run_request  # type: ignore[method-assign]
     if not torch.cuda.is_available():
-        wrap(reference.TorchExecutor, "scatter", "scatter_in", "scatter_out")
-        wrap(reference.TorchExecutor, "gather", "gather_in", "gather_out")
+        wrap(torch_executor.TorchExecutor, "scatter", "scatter_in", "scatter_out")
+        wrap(torch_executor.TorchExecutor, "gather", "gather_in", "gather_out")
         return
     from kvstrata.native import cuda_executor, cuda_target
 
@@ -209,7 +209,7 @@ def trace_engine_side() -> dict[str, float]:
 
     marks: dict[str, float] = {}
     send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
-    post = shm_ring.SlotRing.post
+    post = rings.SlotRing.post
 
     def traced_post(self: Any, frame: bytes) -> bool:  # in this process, only the request ring is written
         ok = post(self, frame)
@@ -231,7 +231,7 @@ def trace_engine_side() -> dict[str, float]:
             marks.setdefault("engine_resolve_in", time.perf_counter())
         resolve(self, frame)
 
-    shm_ring.SlotRing.post = traced_post  # type: ignore[method-assign]
+    rings.SlotRing.post = traced_post  # type: ignore[method-assign]
     transport.SharedSocket.send = traced_send  # type: ignore[method-assign]
     transport.SharedSocket.wait = traced_wait  # type: ignore[method-assign]
     transport.Client._resolve = traced_resolve  # type: ignore[method-assign]
@@ -294,7 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not gpu:
         cache.prefill(prompt, src)
     sync()
-    srv = ServerProcess(l1_bytes=nbytes + (64 << 20), chunk_size=args.chunk, log_level="WARNING")
+    srv = ServerProcess(l1_bytes=nbytes + (64 << 20), chunk_size=args.chunk, log_level="WARNING",
+                        extra_args=["--cuda-mode", args.mode] if args.mode else None)
     srv.args = [sys.executable, os.path.abspath(__file__), "--serve-traced", *srv.args[3:]]
     results: dict[str, Any] = {"device": args.device}
     engine_marks = trace_engine_side()
@@ -385,11 +386,10 @@ def main() -> int:
     p.add_argument("--widths", default="0,1,32")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="")
-    p.add_argument("--mode", default="", help="server copy mode (KVSTRATA_CUDA_MODE); default: the server's")
+    p.add_argument("--mode", default=None, choices=("staged", "kernel", "torch"),
+                   help="server copy mode (kvstrata serve --cuda-mode); default: the server's")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
-    if args.mode:
-        os.environ["KVSTRATA_CUDA_MODE"] = args.mode
     results = run(args)
     for width, steps in results.items():
         if not isinstance(steps, dict):

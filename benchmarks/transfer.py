@@ -281,8 +281,9 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
-                   widths: list[int], server_args: list[str] | None = None,
-                   server_env: dict[str, str] | None = None) -> dict[str, Any]:
+                   widths: list[int], server_args: list[str] | None = None, rings: str = "all") -> dict[str, Any]:
+    """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
+    ``kvstrata.core.wire.transport.RingSetting``)."""
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
@@ -296,104 +297,94 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     truth = cache.random_kv(tokens, seed=2)
     cache.write(truth, src)
     torch.cuda.synchronize()
-    env = {"KVSTRATA_CUDA_MODE": mode, **(server_env or {})}  # the server child inherits them
-    old_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "server_env": server_env or {}}
-    try:
-        with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
-                           extra_args=server_args) as srv:
-            backend = CudaEventBackend("cuda:0")
-            client = CacheClient(srv.address, timeout=120.0)
-            worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
-            try:
-                t = time.perf_counter()
-                worker.register()
-                out["register_s"] = round(time.perf_counter() - t, 3)
-                gen = torch.Generator().manual_seed(5)
+    out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "rings": rings}
+    with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
+                       extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
+        backend = CudaEventBackend("cuda:0")
+        client = CacheClient(srv.address, timeout=120.0, rings=rings)
+        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        try:
+            t = time.perf_counter()
+            worker.register()
+            out["register_s"] = round(time.perf_counter() - t, 3)
+            gen = torch.Generator().manual_seed(5)
 
-                def prompt() -> list[int]:
-                    return torch.randint(0, 32000, (tokens,), generator=gen).tolist()
+            def prompt() -> list[int]:
+                return torch.randint(0, 32000, (tokens,), generator=gen).tolist()
 
-                def store(p: list[int], rid: str) -> float:
-                    # the key is built before the clock starts, as for a retrieve: the engine
-                    # has its prompt's key before it asks for any transfer
-                    key = CacheKey.for_tokens(rid, p, model="llama")
-                    t0 = time.perf_counter()
-                    r = client.store(key, 0, [src], event_handle=backend.store_event_handle())
-                    ms = (time.perf_counter() - t0) * 1e3
-                    assert r["stored_tokens"] == tokens, r
-                    return ms
+            def store(p: list[int], rid: str) -> float:
+                # the key is built before the clock starts, as for a retrieve: the engine
+                # has its prompt's key before it asks for any transfer
+                key = CacheKey.for_tokens(rid, p, model="llama")
+                t0 = time.perf_counter()
+                r = client.store(key, 0, [src], event_handle=backend.store_event_handle())
+                ms = (time.perf_counter() - t0) * 1e3
+                assert r["stored_tokens"] == tokens, r
+                return ms
 
-                retrieve_prompt = prompt()
-                out["first_store_ms"] = store(retrieve_prompt, "warm")
-                runs: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
-                verified = {}
-                stream = torch.cuda.current_stream()
-                for rnd in range(reps + 1):
-                    order = widths[rnd % len(widths):] + widths[:rnd % len(widths)]
-                    for width in order:
-                        rid = f"r{rnd}-w{width}"
-                        key = CacheKey.for_tokens(rid, retrieve_prompt, model="llama")
-                        assert client.lookup(key) == tokens
-                        if rnd == 0:
-                            cache.poison(dst)
-                        torch.cuda.synchronize()
-                        done: list[float] = []
-                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                        ev[0].record(stream)
-                        worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
-                        fut = worker.future_of(rid)
-                        fut.add_done_callback(lambda f: done.append(time.perf_counter()))
-                        _spin_until_released(worker, rid)
-                        for layer in range(cache.num_layers):
-                            worker.wait_for_layer(layer)
-                            if layer == 0:
-                                ev[1].record(stream)
-                        ev[2].record(stream)
-                        spin_until_settled(worker, rid)
-                        fut.result()
-                        worker.wait_all()
-                        torch.cuda.synchronize()
-                        rec = worker.records.pop(rid)
-                        if rec.failure or rec.fallback:
-                            raise RuntimeError(f"retrieve {rid} failed or fell back: {rec}")
-                        if rnd == 0:
-                            verified[width] = bool(cache.read(dst, 0, tokens).equal(truth))
-                            continue
-                        runs[width].append({
-                            "release_ms": (rec.released_at - rec.submitted_at) * 1e3,
-                            "complete_ms": (rec.completed_at - rec.submitted_at) * 1e3,
-                            "reply_ms": (done[0] - rec.submitted_at) * 1e3,
-                            "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
-                            "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
-                            "released_in_flight": bool(rec.released_before_complete),
-                        })
-                out["verified"] = verified
-                res = {}
-                for width in widths:
-                    rows = runs[width]
-                    res[str(width)] = {k: stats([r[k] for r in rows]) for k in
-                                       ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                        "gpu_complete_ms")}
-                    res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
-                    if width != 0:  # paired with the chunk-major retrieve of the same round
-                        res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
-                            [r["complete_ms"] - c["complete_ms"] for r, c in zip(rows, runs[0])])
-                        res[str(width)]["gpu_overhead_vs_chunk_major_ms"] = stats(
-                            [r["gpu_complete_ms"] - c["gpu_complete_ms"] for r, c in zip(rows, runs[0])])
-                out["retrieve"] = res
-                store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
-                out["store_ms"] = stats(store_ms)
-            finally:
-                worker.close()
-                client.close()
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            retrieve_prompt = prompt()
+            out["first_store_ms"] = store(retrieve_prompt, "warm")
+            runs: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
+            verified = {}
+            stream = torch.cuda.current_stream()
+            for rnd in range(reps + 1):
+                order = widths[rnd % len(widths):] + widths[:rnd % len(widths)]
+                for width in order:
+                    rid = f"r{rnd}-w{width}"
+                    key = CacheKey.for_tokens(rid, retrieve_prompt, model="llama")
+                    assert client.lookup(key) == tokens
+                    if rnd == 0:
+                        cache.poison(dst)
+                    torch.cuda.synchronize()
+                    done: list[float] = []
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    ev[0].record(stream)
+                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                    fut = worker.future_of(rid)
+                    fut.add_done_callback(lambda f: done.append(time.perf_counter()))
+                    _spin_until_released(worker, rid)
+                    for layer in range(cache.num_layers):
+                        worker.wait_for_layer(layer)
+                        if layer == 0:
+                            ev[1].record(stream)
+                    ev[2].record(stream)
+                    spin_until_settled(worker, rid)
+                    fut.result()
+                    worker.wait_all()
+                    torch.cuda.synchronize()
+                    rec = worker.records.pop(rid)
+                    if rec.failure or rec.fallback:
+                        raise RuntimeError(f"retrieve {rid} failed or fell back: {rec}")
+                    if rnd == 0:
+                        verified[width] = bool(cache.read(dst, 0, tokens).equal(truth))
+                        continue
+                    runs[width].append({
+                        "release_ms": (rec.released_at - rec.submitted_at) * 1e3,
+                        "complete_ms": (rec.completed_at - rec.submitted_at) * 1e3,
+                        "reply_ms": (done[0] - rec.submitted_at) * 1e3,
+                        "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
+                        "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
+                        "released_in_flight": bool(rec.released_before_complete),
+                    })
+            out["verified"] = verified
+            res = {}
+            for width in widths:
+                rows = runs[width]
+                res[str(width)] = {k: stats([r[k] for r in rows]) for k in
+                                   ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
+                                    "gpu_complete_ms")}
+                res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
+                if width != 0:  # paired with the chunk-major retrieve of the same round
+                    res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
+                        [r["complete_ms"] - c["complete_ms"] for r, c in zip(rows, runs[0])])
+                    res[str(width)]["gpu_overhead_vs_chunk_major_ms"] = stats(
+                        [r["gpu_complete_ms"] - c["gpu_complete_ms"] for r, c in zip(rows, runs[0])])
+            out["retrieve"] = res
+            store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
+            out["store_ms"] = stats(store_ms)
+        finally:
+            worker.close()
+            client.close()
     return out
 
 
@@ -438,11 +429,13 @@ def main(argv: list[str] | None = None) -> int:
                         "as an engine would")
     p.add_argument("--ab", action="append", default=[], metavar="NAME=SETTING",
                    help="also run the primary mode's server phase as variant NAME, right after it on the same "
-                        "machine: SETTING is server arguments (starting with --) or VAR=VALUE environment "
-                        "settings, space separated; e.g. --ab 'poll_5=--busy-poll-ms 5' "
-                        "--ab no_defer=KVSTRATA_DEFERRED_REPLIES=0 (repeatable)")
+                        "machine: SETTING is kvstrata serve options and, for the engine side, rings=all|rings|"
+                        "replies|none (what its client attaches), space separated; e.g. "
+                        "--ab 'poll_5=--busy-poll-ms 5' --ab no_defer=--no-deferred-replies "
+                        "--ab no_mailbox=rings=rings (repeatable)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
+    variants = [parse_ab(spec) for spec in args.ab]
     if not torch.cuda.is_available():
         print("benchmarks/transfer.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -472,13 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         phases.append((f"server_{mode}", lambda m=mode: measure_server(m, args.tokens, args.chunk, args.block_size,
                                                                        args.reps, widths)))
         if mode == modes[0]:
-            for spec in args.ab:
-                name, _, setting = spec.partition("=")
-                words = setting.split()
-                cli = [w for w in words if w.startswith("--") or not ("=" in w and w.split("=")[0].isupper())]
-                env = dict(w.split("=", 1) for w in words if w not in cli)
-                phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, e=env: measure_server(
-                    m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, e)))
+            for name, cli, rings in variants:
+                phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, r=rings: measure_server(
+                    m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, r)))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue
@@ -497,6 +486,26 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1, sort_keys=False)
     print_summary(result, modes)
     return 0 if not result["errors"] else 1
+
+
+def parse_ab(spec: str) -> tuple[str, list[str], str]:
+    """``NAME=SETTING`` (see ``--ab``) -> (name, kvstrata serve options, the engine client's ring setting)."""
+    from kvstrata.core.wire.transport import RING_SETTINGS
+
+    name, _, setting = spec.partition("=")
+    cli, rings = [], "all"
+    for word in setting.split():
+        if word.startswith("rings="):
+            rings = word.split("=", 1)[1]
+            if rings not in RING_SETTINGS:
+                raise SystemExit(f"--ab {spec!r}: rings must be one of {', '.join(RING_SETTINGS)}")
+        elif "=" in word and not word.startswith("--") and word.split("=")[0].isupper():
+            raise SystemExit(f"--ab {spec!r}: {word} looks like an environment setting; the A/B switches are "
+                             "kvstrata serve options (--cuda-mode, --no-deferred-replies, --busy-poll-ms) "
+                             "and rings=... for the engine side")
+        else:
+            cli.append(word)
+    return name, cli, rings
 
 
 def llama_cache_bytes(tokens: int) -> int:

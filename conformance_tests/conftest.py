@@ -11,30 +11,35 @@ run that was asked to check it and checked nothing must not pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import tempfile
 from typing import Any, Callable, Iterator
 
 import pytest
 
-from kvstrata.core.adapter_api.hookspecs import HarnessSpec, WorkerOptions
 from kvstrata.core.adapter_api.plugins import (
     Adapter,
     AdapterError,
     EnginePackageMissing,
     HookSignatureError,
     MissingHookError,
-    discover,
     load_adapter,
 )
+from kvstrata.core.adapter_api.types import PLACEMENTS, HarnessSpec
+from kvstrata.core.testing.slice_hold import SliceHold
 
 from .pytest_plugin import selected_adapters
 from .rig import Rig, RigServer
 from .rules import broken
 
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "adapter_spec" in metafunc.fixturenames:
         names, _ = selected_adapters(metafunc.config)
         metafunc.parametrize("adapter_spec", names, scope="session", ids=names)
+    if "placement" in metafunc.fixturenames:
+        metafunc.parametrize("placement", PLACEMENTS, scope="session", ids=[f"{p}-placement" for p in PLACEMENTS])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -99,24 +104,42 @@ def session_state() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def shared_server() -> Iterator[RigServer]:
-    """One server (with its slice hold) for every rig that does not kill or restart its own."""
-    shared = RigServer()
+def session_hold() -> Iterator[SliceHold]:
+    """The slice hold every server of the session runs with, installed in this process too (worker placement
+    copies here)."""
+    hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
+    hold.install()
+    yield hold
+    hold.open_all()
+    hold.uninstall()
+
+
+@pytest.fixture(scope="session")
+def shared_server(session_hold: SliceHold) -> Iterator[RigServer]:
+    """One server for every rig that does not kill or restart its own."""
+    shared = RigServer(session_hold)
     yield shared
     shared.stop()
 
 
 @pytest.fixture
-def make_rig(adapter: Adapter, shared_server: RigServer) -> Iterator[Callable[..., Rig]]:
-    """Build rigs (each with its own proxy, engine, worker and instance id, on the shared server unless
-    ``own_server``); all are torn down after the test."""
+def placed_adapter(adapter: Adapter, placement: str) -> Adapter:
+    """The adapter, for a placement it declares (a placement it does not declare is skipped, saying so)."""
+    if placement not in adapter.info.placements:
+        pytest.skip(f"adapter {adapter.name!r} declares placements {adapter.info.placements}, not {placement!r}")
+    return adapter
+
+
+@pytest.fixture
+def make_rig(placed_adapter: Adapter, placement: str, session_hold: SliceHold,
+             shared_server: RigServer) -> Iterator[Callable[..., Rig]]:
+    """Build rigs (each with its own proxy, driver and instance id, on the shared server unless ``own_server``),
+    in the test's placement; all are torn down after the test."""
     rigs: list[Rig] = []
 
-    def make(spec: HarnessSpec | None = None, options: WorkerOptions | None = None, *,
-             own_server: bool = False) -> Rig:
-        rig = Rig(adapter, spec or HarnessSpec(),
-                  options or WorkerOptions(layer_wait_timeout=5.0, retrieve_timeout=30.0),
-                  shared=None if own_server else shared_server)
+    def make(spec: HarnessSpec | None = None, *, own_server: bool = False, **settings: Any) -> Rig:
+        spec = dataclasses.replace(spec or HarnessSpec(), placement=placement)
+        rig = Rig(placed_adapter, session_hold, spec, shared=None if own_server else shared_server, **settings)
         rigs.append(rig)
         return rig.start()
 

@@ -1,16 +1,22 @@
-"""The conformance rig: one adapter wired to a real server through the recording proxy.
+"""The conformance rig: one adapter's engine-facing classes wired to a real server through the recording proxy.
 
-Everything the suite drives goes through the adapter's hooks, exactly as an
-engine connector would call them: the engine side comes from
-``kvstrata_conformance_harness``, the cache description from
-``kvstrata_describe_kv_layout``, the worker from ``kvstrata_create_worker``
-(handed a client whose RETRIEVEs the adapter's payload hook builds), and
-release, per-layer wait and failure reports from ``kvstrata_poll_released``,
-``kvstrata_wait_for_layer`` and ``kvstrata_take_failed``. The server is a real
-``kvstrata serve`` child process with the test-only slice hold installed
-(``kvstrata.core.testing.slice_hold``): the rig holds a chosen retrieve after a
-chosen number of slices, lets it go on, or kills the server while it is held,
-which is how the suite catches a transfer in flight by construction.
+Everything the suite drives goes through the adapter, exactly as its engine
+would call it: the driver from ``kvstrata_conformance_driver`` *is* the
+adapter's engine side (for vLLM: ``KvstrataConnector`` in both roles, fed real
+vLLM objects), built over a real cache in the engine's format, in one of the
+placements the adapter declares. The rig gives it a server address (the
+recording proxy's), a record path and timeouts, and then only calls the
+driver: store, load, poll, wait for a layer, finish. It judges what reaches
+the server's socket (the proxy), what lands in the engine's cache (bytes read
+back), what the engine was told (releases, blocks to recompute) and what the
+runtime recorded (its JSON-lines record).
+
+The server is a real ``kvstrata serve`` child with the test-only slice hold
+(:mod:`kvstrata.core.testing.slice_hold`) installed; the same hold is installed
+in this process for worker placement, where the engine side copies itself. The
+rig holds a chosen load after a chosen number of slices, lets it go on, or
+kills the server while it is held: that is how the suite catches a transfer in
+flight by construction.
 """
 
 from __future__ import annotations
@@ -23,15 +29,19 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from kvstrata.core.arrival.board import ArrivalBoard, Progress
-from kvstrata.core.adapter_api.hookspecs import HarnessSpec, WorkerOptions
-from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.adapter_api.plugins import Adapter
-from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.adapter_api.types import HarnessSpec
+from kvstrata.core.arrival.board import ArrivalBoard, Progress
+from kvstrata.core.engine.record import read_record
+from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
 
 from .rules import broken, require
 from .wire import RecordingProxy, WireRequest
@@ -40,6 +50,7 @@ log = logging.getLogger("kvstrata.conformance")
 
 MODEL = "conformance-model"
 _ids = itertools.count()
+_instance_ids = itertools.count(1)
 
 
 @dataclass
@@ -47,29 +58,29 @@ class Retrieval:
     request_id: str
     prompt: list[int]
     truth: list[bytes]
+    """Each layer's bytes for the ``loaded`` tokens, as the engine computed them."""
     blocks: list[list[int]]
-    width: int
+    loaded: int
     submitted_at: float
     released_at: float | None = None
 
 
 class RigServer:
-    """A ``kvstrata serve`` with a slice hold, started on first use: either the one the session's rigs share
-    (each registers its own instance id and request ids), or a rig's own, which its test may kill and restart."""
+    """A ``kvstrata serve`` with the session's slice hold, started on first use: either the one the session's
+    rigs share (each registers its own instance id and request ids), or a rig's own, which its test may kill
+    and restart."""
 
-    def __init__(self, l1_bytes: int = 256 << 20, chunk_size: int = 256) -> None:
-        self.l1_bytes, self.chunk_size = l1_bytes, chunk_size
+    def __init__(self, hold: SliceHold, l1_bytes: int = 256 << 20, chunk_size: int = 256) -> None:
+        self.hold, self.l1_bytes, self.chunk_size = hold, l1_bytes, chunk_size
         self.server: ServerProcess | None = None
-        self.hold: SliceHold | None = None
 
-    def get(self, chunk_size: int) -> tuple[ServerProcess, SliceHold]:
+    def get(self, chunk_size: int) -> ServerProcess:
         if chunk_size != self.chunk_size:
             raise ValueError(f"the shared server stores {self.chunk_size}-token chunks, the rig asked {chunk_size}")
         if self.server is None:
-            self.hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
             self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
                                         slice_hold=self.hold).start()
-        return self.server, self.hold
+        return self.server
 
     def restart(self) -> ServerProcess:
         """A fresh server on the same address and with the same hold, after the last one died."""
@@ -79,20 +90,20 @@ class RigServer:
 
     def stop(self) -> None:
         if self.server is not None:
-            self.hold.open_all()
             self.server.stop()
             self.server = None
-
-
-_instance_ids = itertools.count(1)
 
 
 @dataclass
 class Rig:
     adapter: Adapter
+    hold: SliceHold
     spec: HarnessSpec = field(default_factory=HarnessSpec)
-    options: WorkerOptions = field(default_factory=lambda: WorkerOptions(layer_wait_timeout=5.0,
-                                                                          retrieve_timeout=30.0))
+    width: int = 1
+    """The slice width the engine side is deployed with (``layers_per_stage``; 0: chunk-major)."""
+    pool_slots: int = 8
+    layer_wait_timeout: float = 5.0
+    retrieve_timeout: float = 30.0
     chunk_size: int = 256
     l1_bytes: int = 192 << 20
     shared: RigServer | None = None
@@ -100,54 +111,59 @@ class Rig:
 
     def __post_init__(self) -> None:
         self.instance_id = next(_instance_ids)
+        self.placement = self.spec.placement
         self.server: ServerProcess | None = None
         self.proxy: RecordingProxy | None = None
-        self.engine: Any = None
-        self.worker: Any = None
-        self.client: Any = None
+        self.driver: Any = None
+        self.client: CacheClient | None = None
         self.released: dict[str, float] = {}
-        self.failed: dict[str, tuple[list[list[int]], str]] = {}
+        self.failed_blocks: set[int] = set()
         self._boards: dict[str, ArrivalBoard] = {}
-        self._stored: dict[tuple[int, ...], list[bytes]] = {}
+        self._stored: dict[tuple[int, ...], tuple[int, list[bytes]]] = {}
         self.submitted: list[str] = []
+        self.record_path = os.path.join(tempfile.mkdtemp(prefix="kvstrata-conformance-record-"), "record.jsonl")
 
     # --- set-up and tear-down -----------------------------------------------------------
 
     def start(self) -> "Rig":
-        self._serving = self.shared or RigServer(self.l1_bytes, self.chunk_size)
-        self.server, self.hold = self._serving.get(self.chunk_size)
+        self._serving = self.shared or RigServer(self.hold, self.l1_bytes, self.chunk_size)
+        self.server = self._serving.get(self.chunk_size)
         self.proxy = RecordingProxy(self.server.address).start()
-        self.engine = self.adapter.conformance_engine(self.spec)
+        self.client = CacheClient(self.proxy.address, timeout=10.0)
+        self.driver = self.adapter.conformance_driver(self.spec)
+        self.settings = RuntimeSettings(
+            server_address=self.proxy.address, layers_per_stage=self.width, placement=self.placement,
+            model_name=MODEL, lookup_timeout=10.0, layer_wait_timeout=self.layer_wait_timeout,
+            retrieve_timeout=self.retrieve_timeout, pool_slots=self.pool_slots, instance_id=self.instance_id,
+            record_path=self.record_path)
         try:
-            self.layout = self.adapter.describe_kv_layout(self.engine.kv_caches, self.engine.placement)
+            self.driver.start(self.settings)
         except Exception as exc:
-            broken("kv-layout", f"kvstrata_describe_kv_layout raised {type(exc).__name__}: {exc}")
+            broken("kv-layout", f"the engine side could not register its cache ({self.placement} placement): "
+                                f"{type(exc).__name__}: {exc}")
+        self.runtime = self.driver.runtime
+        require(self.runtime is not None and self.runtime.connected, "kv-layout",
+                f"the engine side did not register its cache with the server ({self.placement} placement)")
+        self.layout = self.runtime.layout
+        require(self.runtime.placement == self.placement, "kv-layout",
+                f"the engine side was deployed with placement {self.placement!r} and registered "
+                f"{self.runtime.placement!r}")
         require(self.layout.num_layers == self.spec.num_layers, "kv-layout",
                 f"the engine was built with {self.spec.num_layers} layers, the layout describes "
                 f"{self.layout.num_layers}")
+        require(self.layout.block_size == self.spec.block_size, "kv-layout",
+                f"the engine was built with {self.spec.block_size}-token blocks, the layout describes "
+                f"{self.layout.block_size}")
         require(len(self.layout.groups) == max(self.spec.kv_groups, 1), "kv-layout",
                 f"the engine was built with {self.spec.kv_groups} KV group(s), the layout describes "
                 f"{len(self.layout.groups)}")
-        self.client = self.adapter.client(self.proxy.address, timeout=10.0)
-        self.worker = self.adapter.create_worker(self.client, self.instance_id, self.layout, self.engine.kv_caches,
-                                                 self.engine.placement, self.options)
-        self.register()
         return self
-
-    def register(self) -> None:
-        try:
-            self.worker.register()
-        except Exception as exc:
-            broken("kv-layout", f"the server refused the cache kvstrata_describe_kv_layout described: "
-                                f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         for r in list(self.submitted):
             self.hold.open(r)  # nothing of this rig's stays held on a server that outlives it
-        for step in (lambda: self.worker and self.worker.close(),
-                     lambda: self.shared and self.client and self.client.unregister_kv_cache(self.instance_id),
-                     lambda: self.client and self.client.close(),
-                     lambda: self.engine and self.engine.close(), lambda: self.proxy and self.proxy.stop()):
+        for step in (lambda: self.driver and self.driver.close(),
+                     lambda: self.client and self.client.close(), lambda: self.proxy and self.proxy.stop()):
             try:
                 step()
             except Exception as exc:  # tear-down must go on; the test result is already decided
@@ -160,7 +176,7 @@ class Rig:
     # --- the server process ---------------------------------------------------------------
 
     def wait_held(self, r: Retrieval, timeout: float = 20.0) -> bool:
-        """True once the server holds ``r``'s transfer (see ``submit(hold_after_slices=...)``)."""
+        """True once ``r``'s transfer is held (see ``submit(hold_after_slices=...)``)."""
         try:
             self.hold.wait_held(r.request_id, timeout)
             return True
@@ -168,17 +184,16 @@ class Rig:
             return False
 
     def resume(self, r: Retrieval) -> None:
-        """Let the server go on with ``r``'s held transfer."""
+        """Let ``r``'s held transfer go on."""
         self.hold.open(r.request_id)
 
     def kill_server(self) -> None:
         self.server.kill()
 
     def restart_server(self) -> None:
-        """A fresh server on the same address (the proxy reconnects); the cache is registered again."""
+        """A fresh server on the same address (the proxy and the engine side reconnect)."""
         self.server = self._serving.restart()
         self._stored.clear()
-        self.register()
 
     # --- prompts ----------------------------------------------------------------------------
 
@@ -186,66 +201,85 @@ class Rig:
         rng = random.Random(seed if seed is not None else next(_ids) * 7919 + 17)
         return [rng.randrange(1, 32000) for _ in range(num_tokens)]
 
-    def store(self, prompt: list[int]) -> list[bytes]:
-        """Prefill ``prompt`` on the engine, keep what it computed as the truth, and STORE it."""
-        n = len(prompt)
-        blocks = self.engine.allocate(n)
-        try:
-            self.engine.prefill(prompt, blocks)
-            truth = [bytes(self.engine.read_layer(blocks, layer, n)) for layer in range(self.spec.num_layers)]
-            reply = self.client.store(CacheKey.for_tokens(f"conf-store-{next(_ids)}", prompt, model=MODEL),
-                                      self.instance_id, blocks)
-        finally:
-            self.engine.free(blocks)
-        if reply.get("stored_tokens", 0) + reply.get("skipped_tokens", 0) != n:
-            raise RuntimeError(f"STORE of {n} tokens answered {reply}")
-        self._stored[tuple(prompt)] = truth
-        return truth
+    def loadable(self, num_tokens: int) -> int:
+        return self.adapter.loadable_tokens(num_tokens, self.spec.block_size)
 
-    def submit(self, prompt: list[int], width: int, *, hold_reply: bool = False,
-               hold_after_slices: int | None = None) -> Retrieval:
-        """LOOKUP then retrieve ``prompt`` into freshly cleared blocks through the adapter's worker.
+    def store(self, prompt: list[int]) -> tuple[int, list[bytes]]:
+        """Prefill ``prompt`` on the engine and store it through the adapter: (tokens a load of it can get, the
+        truth: each layer's bytes for them, as the engine computed them).
 
-        ``hold_reply``: the proxy holds back the RETRIEVE's reply. ``hold_after_slices``: the server holds
-        the transfer once it has published that many slices (0: before the first) until :meth:`resume`.
+        A load gets the prompt's loadable tokens (``kvstrata_loadable_tokens``) as far as whole stored chunks
+        cover them, which a LOOKUP of the loadable prefix tells.
         """
-        truth = self._stored.get(tuple(prompt)) or self.store(prompt)
+        n = len(prompt)
+        k = self.loadable(n)
+        blocks = self.driver.allocate(n)
+        rid = f"conf-store-{next(_ids)}-{os.getpid()}"
+        try:
+            self.driver.prefill(prompt, blocks)
+            self.driver.store(rid, prompt, blocks)
+            probe = CacheKey.for_tokens(f"{rid}-probe", prompt[:k], model=MODEL)
+            try:
+                hit = self.client.lookup(probe)
+            finally:
+                self.client.end_session(probe.request_id)
+            if hit < (k // self.chunk_size) * self.chunk_size or hit == 0:
+                stored = [e for e in self.record() if e.get("request_id") == rid]
+                raise RuntimeError(f"the adapter stored a {n}-token prompt, and a LOOKUP of its {k} loadable tokens "
+                                   f"hit {hit}; the engine side recorded {stored}")
+            truth = [bytes(self.driver.read_layer(blocks, layer, hit)) for layer in range(self.spec.num_layers)]
+        finally:
+            self.driver.free(blocks)
+        self._stored[tuple(prompt)] = (hit, truth)
+        return hit, truth
+
+    def submit(self, prompt: list[int], *, hold_reply: bool = False,
+               hold_after_slices: int | None = None) -> Retrieval:
+        """A new request for a stored ``prompt``, into freshly cleared blocks, through the adapter's engine side.
+
+        ``hold_reply``: the proxy holds back the RETRIEVE's reply (server placement only: a worker-placement
+        copy needs the reply to start). ``hold_after_slices``: the transfer is held once that many slices are
+        published (0: before the first) until :meth:`resume`.
+        """
+        hit, truth = self._stored.get(tuple(prompt)) or self.store(prompt)
         n = len(prompt)
         rid = f"conf-{next(_ids)}-{os.getpid()}"
-        key = CacheKey.for_tokens(rid, prompt, model=MODEL)
-        hit = self.client.lookup(key)
-        if hit != n:
-            raise RuntimeError(f"LOOKUP of a stored {n}-token prompt hit {hit} tokens")
-        blocks = self.engine.allocate(n)
-        self.engine.clear(blocks)
-        require(self.engine.read_layer(blocks, 0, n) != truth[0], "hooks",
-                "the conformance engine's cleared blocks already read as the prompt's KV: read_layer does not "
+        blocks = self.driver.allocate(n)
+        self.driver.clear(blocks)
+        require(self.driver.read_layer(blocks, 0, hit) != truth[0], "hooks",
+                "the conformance driver's cleared blocks already read as the prompt's KV: read_layer does not "
                 "read the blocks it is given, so no byte check could fail")
-        if hold_reply:
+        if hold_reply and self.placement == PLACEMENT_SERVER:
             self.proxy.hold_replies(rid)
         if hold_after_slices is not None:
             self.hold.hold(rid, after_slices=hold_after_slices)
-        r = Retrieval(rid, prompt, truth, blocks, width, time.perf_counter())
         self.submitted.append(rid)
-        self.worker.submit_retrieve(rid, key, blocks, layers_per_stage=width)
-        return r
+        started = time.perf_counter()
+        loaded = self.driver.load(rid, prompt, blocks)
+        require(loaded == hit, "hooks",
+                f"the engine side loads {loaded} tokens of a stored {n}-token prompt; the server holds {hit} of "
+                f"its {self.loadable(n)} loadable tokens (kvstrata_loadable_tokens)")
+        return Retrieval(rid, prompt, truth, blocks, loaded, started)
 
     def free(self, r: Retrieval) -> None:
-        self.engine.free(r.blocks)
+        """The request is done: the engine side is told (``finish``), then its blocks go back."""
+        self.driver.finish(r.request_id)
+        self.poll()
+        self.driver.free(r.blocks)
 
-    # --- engine-side hooks -------------------------------------------------------------------
+    # --- engine-side calls -------------------------------------------------------------------
 
     def poll(self) -> list[str]:
-        """One engine step's polls: released requests and failure reports, through the adapter."""
-        ids = self.adapter.poll_released(self.worker)
+        """One engine step's polls, through the adapter: released requests and blocks to recompute."""
+        p = self.driver.poll()
         now = time.perf_counter()
-        for rid in ids:
+        for rid in p.released:
             require(rid not in self.released, "early-release",
-                    f"kvstrata_poll_released reported request {rid} a second time; each request goes back to "
-                    "the engine exactly once")
+                    f"the engine side released request {rid} a second time; each request goes back to the "
+                    "engine exactly once")
             self.released[rid] = now
-        self.failed.update(self.adapter.take_failed(self.worker))
-        return ids
+        self.failed_blocks |= set(p.failed_blocks)
+        return list(p.released)
 
     def wait_released(self, r: Retrieval, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -258,13 +292,13 @@ class Rig:
         return False
 
     def start_wait(self, layer: int) -> tuple[threading.Event, list[BaseException]]:
-        """Call the adapter's per-layer wait on a helper thread, so a wait that hangs cannot hang the suite."""
+        """Call the engine side's per-layer wait on a helper thread, so a wait that hangs cannot hang the suite."""
         done = threading.Event()
         error: list[BaseException] = []
 
         def run() -> None:
             try:
-                self.adapter.wait_for_layer(self.worker, layer)
+                self.driver.wait_for_layer(layer)
             except BaseException as exc:  # handed to the caller
                 error.append(exc)
             finally:
@@ -274,7 +308,7 @@ class Rig:
         return done, error
 
     def wait_for_layer(self, layer: int, timeout: float) -> tuple[bool, float]:
-        """The adapter's per-layer wait, bounded: (returned within ``timeout``, seconds taken)."""
+        """The engine side's per-layer wait, bounded: (returned within ``timeout``, seconds taken)."""
         t0 = time.perf_counter()
         done, error = self.start_wait(layer)
         returned = done.wait(timeout)
@@ -283,27 +317,39 @@ class Rig:
         return returned, time.perf_counter() - t0
 
     def read(self, r: Retrieval, layer: int) -> bytes:
-        return bytes(self.engine.read_layer(r.blocks, layer, len(r.prompt)))
+        return bytes(self.driver.read_layer(r.blocks, layer, r.loaded))
 
     def check_layer(self, r: Retrieval, layer: int, context: str) -> None:
         got = self.read(r, layer)
         if got != r.truth[layer]:
             diff = sum(1 for a, b in zip(got, r.truth[layer]) if a != b)
-            broken("layer-wait", f"request {r.request_id}: layer {layer} read after kvstrata_wait_for_layer is "
-                                 f"not the stored KV ({diff} of {len(got)} bytes differ) {context}")
+            broken("layer-wait", f"request {r.request_id}: layer {layer} read after the engine side's layer wait "
+                                 f"is not the stored KV ({diff} of {len(got)} bytes differ) {context}")
 
     def settle(self, timeout: float = 30.0) -> None:
-        """Poll until the worker has nothing in flight (bounded: a hang is a broken rule)."""
+        """Poll until the engine side has nothing in flight (bounded: a hang is a broken rule)."""
         deadline = time.monotonic() + timeout
-        while self.worker.in_flight() and time.monotonic() < deadline:
+        while self.runtime.in_flight() and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.002)
         self.poll()
-        require(not self.worker.in_flight(), "failure-reported",
-                f"retrieves {sorted(self.worker.in_flight())} were still in flight {timeout:.0f}s later: a transfer "
+        require(not self.runtime.in_flight(), "failure-reported",
+                f"loads {sorted(self.runtime.in_flight())} were still in flight {timeout:.0f}s later: a transfer "
                 "that never settles pins its blocks and arrival slot forever")
 
-    # --- what went over the wire ---------------------------------------------------------------
+    # --- what the engine side recorded and sent ---------------------------------------------
+
+    def record(self) -> list[dict[str, Any]]:
+        return list(read_record(self.record_path)) if os.path.exists(self.record_path) else []
+
+    def failures(self) -> dict[str, str]:
+        """Request id -> reason, for every load the runtime recorded as failed."""
+        return {e["request_id"]: e["reason"] for e in self.record() if e["event"] == "load_failed"}
+
+    def fallbacks(self, r: Retrieval) -> list[str]:
+        """The fallback reasons the runtime recorded for ``r`` when it settled."""
+        return [e["fallback"] for e in self.record()
+                if e["event"] == "settled" and e["request_id"] == r.request_id and e.get("fallback")]
 
     def retrieves_on_wire(self, r: Retrieval | None = None) -> list[WireRequest]:
         return self.proxy.requests(RequestType.RETRIEVE, key_request_id=r.request_id if r else None)

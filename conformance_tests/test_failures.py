@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from kvstrata.core.adapter_api.hookspecs import WorkerOptions
-
 from .checks import catch_in_flight, check_wire_retrieve, read_every_layer
 from .rig import Retrieval, Rig
 from .rules import broken, require
@@ -26,22 +24,24 @@ SLACK = 6.0
 def fast_failing(make_rig: Callable[..., Rig], retrieve_timeout: float = RETRIEVE_TIMEOUT, *,
                  own_server: bool = True) -> Rig:
     """A rig whose waits time out soon; with its own server, which the test may kill."""
-    return make_rig(options=WorkerOptions(layer_wait_timeout=LAYER_WAIT, retrieve_timeout=retrieve_timeout),
-                    own_server=own_server)
+    return make_rig(layer_wait_timeout=LAYER_WAIT, retrieve_timeout=retrieve_timeout, own_server=own_server)
 
 
 def wait_reported(rig: Rig, r: Retrieval, within: float, what: str) -> None:
+    """The engine was told to recompute every block of ``r`` (through the adapter), and the runtime says why."""
+    want = {b for g in r.blocks for b in g}
     deadline = time.monotonic() + within
-    while r.request_id not in rig.failed and time.monotonic() < deadline:
+    while not want <= rig.failed_blocks and time.monotonic() < deadline:
         rig.poll()
         time.sleep(0.01)
-    require(r.request_id in rig.failed, "failure-reported",
-            f"{what}, and kvstrata_take_failed never reported request {r.request_id} within {within:.0f}s: the "
-            "engine would go on to read KV that never arrived")
-    blocks, reason = rig.failed[r.request_id]
-    require([list(g) for g in blocks] == r.blocks, "failure-reported",
-            f"request {r.request_id} was reported failed with blocks {blocks}, it was retrieving into {r.blocks}")
-    require(isinstance(reason, str) and reason, "failure-reported", "a failure was reported without a reason")
+    missing = sorted(want - rig.failed_blocks)
+    require(not missing, "failure-reported",
+            f"{what}, and the engine side never reported blocks {missing[:8]}{'...' if len(missing) > 8 else ''} "
+            f"of request {r.request_id} for recompute within {within:.0f}s: the engine would go on to read KV that "
+            "never arrived")
+    reason = rig.failures().get(r.request_id)
+    require(isinstance(reason, str) and reason, "failure-reported",
+            f"{what}, and the runtime's record gives no reason for the failure of {r.request_id}")
 
 
 def require_logged(warning_log: list[str], since: int, r: Retrieval, what: str) -> None:
@@ -57,27 +57,27 @@ def wait_bounded(rig: Rig, layer: int, what: str) -> None:
     except Exception as exc:
         raised = f"{type(exc).__name__}: {exc}"
     if raised is not None:
-        broken("failure-reported", f"{what}, and kvstrata_wait_for_layer({layer}) raised {raised} into the "
+        broken("failure-reported", f"{what}, and the engine side's wait for layer {layer} raised {raised} into the "
                                    "engine's thread instead of reporting the failure")
     require(returned, "failure-reported",
-            f"{what}, and kvstrata_wait_for_layer({layer}) was still blocked after {bound:.0f}s "
+            f"{what}, and the engine side's wait for layer {layer} was still blocked after {bound:.0f}s "
             f"(the worker's wait timeout is {LAYER_WAIT}s): the model runner would hang")
 
 
 def next_retrieve_works(rig: Rig, prompt: list[int], context: str) -> None:
-    r = rig.submit(prompt, width=1)
+    r = rig.submit(prompt)
     require(rig.wait_released(r, 20), "failure-reported", f"{context}, the next retrieve was never released")
     read_every_layer(rig, r, f"({context}, the next retrieve)")
     rig.settle()
     check_wire_retrieve(rig, r, expect_width=1)
-    require(r.request_id not in rig.failed, "failure-reported",
-            f"{context}, the next retrieve failed too: {rig.failed.get(r.request_id)}")
+    require(r.request_id not in rig.failures(), "failure-reported",
+            f"{context}, the next retrieve failed too: {rig.failures().get(r.request_id)}")
 
 
 def test_server_killed_mid_transfer(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
     rig = fast_failing(make_rig)
     prompt = rig.prompt()
-    r, landed = catch_in_flight(rig, prompt, width=1)
+    r, landed = catch_in_flight(rig, prompt)
     mark = len(warning_log)
     rig.kill_server()
     what = f"the server was killed with {landed} of {rig.layout.num_layers} layers landed"
@@ -87,6 +87,7 @@ def test_server_killed_mid_transfer(make_rig: Callable[..., Rig], warning_log: l
     wait_reported(rig, r, SLACK, what)  # the bounded layer wait above has already failed it
     require(r.request_id in rig.released, "failure-reported", f"{what}, and the request never came back")
     require_logged(warning_log, mark, r, what)
+    rig.resume(r)  # worker placement: the engine side's own copy was held, not the dead server's
     rig.settle(RETRIEVE_TIMEOUT + SLACK)
     rig.free(r)
     rig.restart_server()
@@ -98,7 +99,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     prompt = rig.prompt()
     rig.store(prompt)
     mark = len(warning_log)
-    r = rig.submit(prompt, width=1, hold_after_slices=0)
+    r = rig.submit(prompt, hold_after_slices=0)
     require(rig.wait_held(r), "retrieve-payload",
             f"the server never started the transfer of {r.request_id}: it did not accept the adapter's RETRIEVE")
     rig.kill_server()
@@ -113,6 +114,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     wait_reported(rig, r, SLACK, what)
     require_logged(warning_log, mark, r, what)
     wait_bounded(rig, 0, what)
+    rig.resume(r)
     rig.settle(SLACK)
     rig.free(r)
     rig.restart_server()
@@ -122,7 +124,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
 def test_slot_that_never_advances(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
     rig = fast_failing(make_rig, retrieve_timeout=60.0, own_server=False)  # it stalls the server, kills nothing
     prompt = rig.prompt()
-    r, landed = catch_in_flight(rig, prompt, width=1)
+    r, landed = catch_in_flight(rig, prompt)
     mark = len(warning_log)
     what = f"the server stopped advancing the arrival slot at {landed} of {rig.layout.num_layers} layers"
     wait_bounded(rig, landed, what)

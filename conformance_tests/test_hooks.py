@@ -7,9 +7,8 @@ import inspect
 import pytest
 
 from kvstrata.core.adapter_api import hookspecs
+from kvstrata.core.adapter_api.types import ConformanceDriver, HarnessSpec
 from kvstrata.core.transfer.layouts import DTYPE_SIZES
-from kvstrata.core.adapter_api.hookspecs import ConformanceEngine, HarnessSpec, RetrieveRequest
-from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.adapter_api.plugins import (
     Adapter,
     EnginePackageMissing,
@@ -17,7 +16,6 @@ from kvstrata.core.adapter_api.plugins import (
     MissingHookError,
     load_adapter,
 )
-from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
 from .rules import broken, require
 
@@ -58,60 +56,28 @@ def test_hook_implementations_match_their_specifications(adapter: Adapter) -> No
 
 def _protocol_methods() -> dict[str, inspect.Signature]:
     out = {}
-    for name, member in vars(ConformanceEngine).items():
+    for name, member in vars(ConformanceDriver).items():
         if callable(member) and not name.startswith("_"):
             out[name] = inspect.signature(member)
     return out
 
 
-def test_conformance_engine_has_the_declared_methods(adapter: Adapter) -> None:
-    engine = adapter.conformance_engine(HarnessSpec(num_blocks=64))
+def test_conformance_driver_has_the_declared_methods(adapter: Adapter) -> None:
+    driver = adapter.conformance_driver(HarnessSpec(num_blocks=64))
     try:
-        for attr in ("kv_caches", "placement"):
-            require(hasattr(engine, attr), "hooks", f"the conformance engine has no {attr!r} attribute")
+        for attr in ("placement", "runtime"):
+            require(hasattr(driver, attr), "hooks", f"the conformance driver has no {attr!r} attribute")
         for name, declared in _protocol_methods().items():
-            method = getattr(engine, name, None)
-            require(callable(method), "hooks", f"the conformance engine has no method {name}{declared}")
+            method = getattr(driver, name, None)
+            require(callable(method), "hooks", f"the conformance driver has no method {name}{declared}")
             want = [p.name for p in declared.parameters.values() if p.name != "self"]
             got = [p.name for p in inspect.signature(method).parameters.values()
                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            require(len(got) == len(want), "hooks",
-                    f"the conformance engine's {name} takes ({', '.join(got)}), the protocol declares "
-                    f"({', '.join(want)})")
+            require(got == want, "hooks",
+                    f"the conformance driver's {name} takes ({', '.join(got)}), the protocol declares "
+                    f"({', '.join(want)}): the suite passes them in that order")
     finally:
-        engine.close()
-
-
-def _requests() -> list[tuple[str, RetrieveRequest]]:
-    key = CacheKey.for_tokens("conf-direct", [1, 2, 3, 4], model="conformance-model")
-    board = {"name": "kvstrata-board-x", "slot": 0, "generation": 1}
-    return [
-        ("chunk-major", RetrieveRequest(key, 0, [[0]])),
-        ("layer-major", RetrieveRequest(key, 0, [[0]], arrival_board=board, layers_per_stage=1)),
-        ("layer-major with events", RetrieveRequest(key, 0, [[0]], arrival_board=board,
-                                                    layer_event_handles=[b"\x00" * 64] * 4, layers_per_stage=2)),
-    ]
-
-
-@pytest.mark.parametrize("mode", [m for m, _ in _requests()])
-def test_payload_hook_builds_the_declared_items(adapter: Adapter, mode: str) -> None:
-    request = dict(_requests())[mode]
-    payload = adapter.hook.kvstrata_build_retrieve_payload(request=request)
-    problem = None
-    try:
-        declaration(RequestType.RETRIEVE).validate(payload)
-    except ProtocolError as exc:
-        problem = str(exc)
-    if problem is not None:
-        broken("retrieve-payload", f"kvstrata_build_retrieve_payload for a {mode} retrieve: {problem}")
-    tail = payload[5:]
-    if mode == "chunk-major":
-        require(tail == [None, None, 0], "retrieve-payload",
-                f"a chunk-major RETRIEVE must end with (None, None, 0), the hook built {tail!r}")
-    else:
-        require(tail == [request.arrival_board, request.layer_event_handles, request.layers_per_stage],
-                "retrieve-payload", f"a {mode} RETRIEVE must carry the board, the event handles and the width "
-                                    f"it was asked for, the hook built {tail!r}")
+        driver.close()
 
 
 def test_kv_layout_describes_the_engine_and_registers(rig) -> None:
@@ -133,5 +99,6 @@ def test_kv_layout_describes_the_engine_and_registers(rig) -> None:
                 f"num_heads {layout.num_heads}, the engine has {spec.num_heads}")
         require(layout.dtype == spec.dtype, "kv-layout", f"dtype {layout.dtype}, the engine has {spec.dtype}")
     # Registration already happened on a real server (rig.start); it answered with its chunk size.
-    require(rig.worker.chunk_size == rig.chunk_size, "kv-layout",
-            f"the worker did not record the server's chunk size after REGISTER_KV_CACHE ({rig.worker.chunk_size})")
+    require(rig.runtime.transfers.chunk_size == rig.chunk_size, "kv-layout",
+            f"the engine side did not record the server's chunk size after REGISTER_KV_CACHE "
+            f"({rig.runtime.transfers.chunk_size})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
 from kvstrata.core.wire.protocol import ProtocolError
@@ -15,11 +17,12 @@ WIDTHS = [0, 1, 3]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: "chunk-major" if w == 0 else f"layer-major-{w}")
-def test_retrieve_on_the_wire_has_the_declared_items(rig: Rig, width: int) -> None:
+def test_retrieve_on_the_wire_has_the_declared_items(make_rig: Callable[..., Rig], width: int) -> None:
+    rig = make_rig(width=width)
     prompt = rig.prompt()
     problem = None
     try:
-        r = rig.submit(prompt, width)
+        r = rig.submit(prompt)
     except ProtocolError as exc:
         problem = str(exc)
     if problem is not None:
@@ -30,4 +33,5 @@ def test_retrieve_on_the_wire_has_the_declared_items(rig: Rig, width: int) -> No
     read_every_layer(rig, r, f"(width {width})")
     rig.settle()
     check_wire_retrieve(rig, r, expect_width=width)
-    require(not rig.failed, "failure-reported", f"a healthy retrieve was reported failed: {rig.failed}")
+    require(not rig.failed_blocks and not rig.failures(), "failure-reported",
+            f"a healthy load was reported failed: {rig.failures()}")

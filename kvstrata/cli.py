@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a GPU cache registered, keep polling the socket without sleeping this long after "
                         "each request, so the next one is taken at once (about one core while it lasts; 0 = off; "
                         "default 25)")
+    s.add_argument("--cuda-mode", default="staged", choices=["staged", "kernel", "torch"],
+                   help="how GPU caches are copied, for A/B measurements (default staged; see "
+                        "kvstrata.native.cuda_executor)")
+    s.add_argument("--no-deferred-replies", dest="deferred_replies", action="store_false",
+                   help="with busy polling, answer a transfer from its own thread instead of the polling thread, "
+                        "for A/B measurements")
     s.add_argument("--allow-remote", action="store_true",
                    help="allow binding a non-loopback TCP address (off by default: the protocol has no auth)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -71,11 +77,14 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
-                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms)
-    log.info("starting with %s", config)
+                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
+                          deferred_replies=args.deferred_replies)
     from kvstrata.native import target_openers
+    from kvstrata.native.cuda_executor import CudaTransferConfig
 
-    server = CacheServer(config, target_openers=target_openers())
+    cuda_config = CudaTransferConfig(mode=args.cuda_mode)
+    log.info("starting with %s, GPU caches: %s", config, cuda_config)
+    server = CacheServer(config, target_openers=target_openers(cuda_config))
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -57,6 +57,10 @@ class CudaEventBackend:
             return
         torch.cuda.current_stream(self.index).wait_event(event)
 
+    def wait_for_engine_writes(self) -> None:
+        """Block until the engine's current stream has run what it queued (a STORE reads the cache next)."""
+        torch.cuda.current_stream(self.index).synchronize()
+
     def store_event_handle(self, stream: torch.cuda.Stream | None = None) -> bytes:
         """Record this backend's STORE event on ``stream`` (default: current) and return its handle.
 

@@ -1,7 +1,8 @@
 """GPU executors: run the planner's transfer plans between a pinned host L1 pool and an engine's cache.
 
 One :class:`CudaTransferEngine` per registered engine cache (per GPU), one
-executor per transfer. Three modes, chosen per engine (``KVSTRATA_CUDA_MODE``):
+executor per transfer. Three modes, chosen per engine (:class:`CudaTransferConfig`; ``kvstrata serve
+--cuda-mode`` sets it for every engine of a server):
 
 ``staged`` (default)
     The copy engine moves each slice of every object (``kv`` contiguous ranges
@@ -40,7 +41,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -58,31 +58,23 @@ MODES = ("kernel", "staged", "torch")
 _MAX_VEC = 16
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
 @dataclass
 class CudaTransferConfig:
-    """How a GPU engine copies. Defaults come from the environment so a server can be tuned without code."""
+    """How a GPU engine copies. ``kvstrata serve --cuda-mode`` picks the mode for A/B measurements; the
+    defaults are what a server runs with."""
 
-    mode: str = field(default_factory=lambda: os.environ.get("KVSTRATA_CUDA_MODE", "staged"))
-    max_ctas: int = field(default_factory=lambda: _env_int("KVSTRATA_CUDA_CTAS", 0))
+    mode: str = "staged"
+    """One of :data:`MODES` (see the module docstring)."""
+    max_ctas: int = 0
     """Upper bound on thread blocks per launch; 0 means two per SM."""
-    staging_bytes: int = field(default_factory=lambda: _env_int("KVSTRATA_CUDA_STAGING_MB", 64) << 20)
+    staging_bytes: int = 64 << 20
     """Staged mode: the most bytes one staging buffer (of two) may hold; slices larger than this are split."""
     direct_copy_min_run: int = 256 << 10
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"KVSTRATA_CUDA_MODE / mode must be one of {MODES}, got {self.mode!r}")
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_ctas < 0 or self.staging_bytes <= 0:
             raise ValueError("max_ctas must be >= 0 and staging_bytes > 0")
 
@@ -805,7 +797,7 @@ class TorchCudaExecutor:
         return [p[0].to(dev) for p in pairs], [p[1].to(dev) for p in pairs]
 
     def scatter(self, job: TransferJob, layer_start: int, layer_count: int) -> None:
-        from .reference import scatter_staged
+        from kvstrata.core.transfer.torch_executor import scatter_staged
 
         e = self.engine
         with torch.cuda.device(e.index), torch.cuda.stream(e.stream):
@@ -819,7 +811,7 @@ class TorchCudaExecutor:
                                layer_offset=layer_start if layer_count else 0, staged_layers=layer_count)
 
     def gather(self, job: TransferJob) -> None:
-        from .reference import gather_staged
+        from kvstrata.core.transfer.torch_executor import gather_staged
 
         e = self.engine
         with torch.cuda.device(e.index), torch.cuda.stream(e.stream):

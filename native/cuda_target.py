@@ -17,6 +17,7 @@ requests fall back to chunk-major (logged once) instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import mmap
@@ -48,7 +49,8 @@ class CudaIpcTarget:
         self.device = f"cuda:{self.index}"
         self.layout = layout
         self.pool = pool
-        config = config or CudaTransferConfig()
+        # a copy: the server shares one config among its targets, and the fallback below changes the mode
+        config = dataclasses.replace(config) if config is not None else CudaTransferConfig()
         self._regions = [cuda_ipc.open_region(r) for r in layout.regions]
         self.native_available = True
         try:

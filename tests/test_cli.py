@@ -18,6 +18,19 @@ def test_serve_help_explains_the_flags():
         assert flag in out
 
 
+def test_serve_takes_the_a_b_switches_as_options():
+    from kvstrata.cli import build_parser
+    from kvstrata.native.cuda_executor import MODES
+
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert args.cuda_mode == "staged" and args.deferred_replies is True
+    args = parser.parse_args(["serve", "--cuda-mode", "kernel", "--no-deferred-replies"])
+    assert args.cuda_mode == "kernel" and args.deferred_replies is False
+    for mode in MODES:  # every mode the executor knows is accepted
+        assert parser.parse_args(["serve", "--cuda-mode", mode]).cuda_mode == mode
+
+
 def test_parse_size():
     assert parse_size("512M") == 512 << 20
     assert parse_size("1GiB") == 1 << 30

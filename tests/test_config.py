@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from kvstrata.core.config import resolve_layers_per_stage
+from kvstrata.core.engine.settings import resolve_layers_per_stage
 
 
 @pytest.mark.parametrize("value, width", [

@@ -66,8 +66,13 @@ def suite_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
 def test_positive_control_reference_adapter_passes_the_same_tests(suite_results) -> None:
     ran = suite_results[REFERENCE]
     assert ran, "the reference adapter ran no test"
-    bad = [(name, outcome, text[-2000:]) for name, outcome, text in ran if outcome != "passed"]
+    bad = [(name, outcome, text[-2000:]) for name, outcome, text in ran if outcome not in ("passed", "skipped")]
     assert not bad, f"the reference adapter failed the selected conformance tests: {bad}"
+    skipped = [(name, text) for name, outcome, text in ran if outcome == "skipped"]
+    # the one skip the suite declares for the reference adapter: no arrival pool in worker placement
+    assert all("exhausted" in name and "worker-placement" in name for name, _ in skipped), skipped
+    passed = {name.split("[")[0] for name, outcome, _ in ran if outcome == "passed"}
+    assert passed >= {name.split("[")[0] for name, _, _ in ran}, "a selected test passed in no placement"
 
 
 @pytest.mark.parametrize("broken_adapter", sorted(BROKEN_RULES))

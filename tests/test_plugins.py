@@ -11,21 +11,20 @@ import pytest
 
 from kvstrata.adapters import reference
 from kvstrata.core.adapter_api import hookspecs
-from kvstrata.core.wire.client import CacheClient, build_retrieve_payload
-from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
-from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.plugins import (
-    AdapterCacheClient,
     AdapterImportError,
     AdapterNotFound,
     EnginePackageMissing,
+    HookResultError,
     HookSignatureError,
     MissingHookError,
-    default_retrieve_payload,
     discover,
     load_adapter,
 )
-from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
+from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, LoadFailure
+from kvstrata.core.arrival.events import HostEventBackend
+from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.testing.server_process import ServerProcess
 
 
@@ -39,28 +38,12 @@ class Complete:
         return self.info
 
     @hookimpl
-    def kvstrata_describe_kv_layout(self, kv_caches: Any, placement: str) -> Any:
-        return reference.kvstrata_describe_kv_layout(kv_caches, placement)
+    def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
+        return reference.kvstrata_describe_kv_cache(kv_caches, placement)
 
     @hookimpl
-    def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-        return default_retrieve_payload(request)
-
-    @hookimpl
-    def kvstrata_poll_released(self, worker: Any) -> list[str]:
-        return worker.get_finished()
-
-    @hookimpl
-    def kvstrata_wait_for_layer(self, worker: Any, layer: int) -> None:
-        worker.wait_for_layer(layer)
-
-    @hookimpl
-    def kvstrata_take_failed(self, worker: Any) -> dict:
-        return worker.take_failed()
-
-    @hookimpl
-    def kvstrata_conformance_harness(self, spec: HarnessSpec) -> Any:
-        return reference.ReferenceConformanceEngine(spec)
+    def kvstrata_conformance_driver(self, spec: HarnessSpec) -> Any:
+        return reference.ReferenceConformanceDriver(spec, adapter=load_adapter(self))
 
 
 def test_reference_adapter_is_discovered_through_its_entry_point() -> None:
@@ -84,40 +67,42 @@ def test_unknown_adapter_names_what_is_installed() -> None:
 
 
 def test_missing_required_hook_is_named() -> None:
-    class NoTakeFailed(Complete):
-        kvstrata_take_failed = None  # type: ignore[assignment]
+    class NoDriver(Complete):
+        kvstrata_conformance_driver = None  # type: ignore[assignment]
 
-    with pytest.raises(MissingHookError, match=r"does not implement required hook\(s\): kvstrata_take_failed"):
-        load_adapter(NoTakeFailed())
+    with pytest.raises(MissingHookError,
+                       match=r"does not implement required hook\(s\): kvstrata_conformance_driver"):
+        load_adapter(NoDriver())
 
 
 def test_unmarked_hook_is_reported_as_unmarked() -> None:
     class Unmarked(Complete):
-        def kvstrata_poll_released(self, worker: Any) -> list[str]:  # no @hookimpl
-            return worker.get_finished()
+        def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> Any:  # no @hookimpl
+            return reference.kvstrata_describe_kv_cache(kv_caches, placement)
 
-    with pytest.raises(MissingHookError, match=r"kvstrata_poll_released \(defined but not marked @hookimpl\)"):
+    with pytest.raises(MissingHookError, match=r"kvstrata_describe_kv_cache \(defined but not marked @hookimpl\)"):
         load_adapter(Unmarked())
 
 
 def test_wrong_argument_names_the_hook_and_the_specification() -> None:
-    class LayerName(Complete):
+    class Where(Complete):
         @hookimpl
-        def kvstrata_wait_for_layer(self, worker: Any, layer_name: str) -> None:
+        def kvstrata_describe_kv_cache(self, kv_caches: Any, where: str) -> Any:
             pass
 
     with pytest.raises(HookSignatureError) as err:
-        load_adapter(LayerName())
-    assert "layer_name" in str(err.value) and "kvstrata_wait_for_layer passes (worker, layer)" in str(err.value)
+        load_adapter(Where())
+    assert "where" in str(err.value)
+    assert "kvstrata_describe_kv_cache passes (kv_caches, placement)" in str(err.value)
 
 
 def test_misspelled_hook_is_an_error_not_ignored() -> None:
     class Typo(Complete):
         @hookimpl
-        def kvstrata_wait_for_layers(self, worker: Any, layer: int) -> None:
-            pass
+        def kvstrata_loadable_token(self, num_prompt_tokens: int, block_size: int) -> int:
+            return 0
 
-    with pytest.raises(HookSignatureError, match="kvstrata_wait_for_layers"):
+    with pytest.raises(HookSignatureError, match="kvstrata_loadable_token"):
         load_adapter(Typo())
 
 
@@ -144,72 +129,93 @@ def test_adapter_that_imports_its_engine_eagerly_names_the_missing_module(tmp_pa
     sys.modules.pop("eager_kvstrata_adapter", None)
 
 
-def test_core_default_builds_the_worker_when_the_adapter_does_not() -> None:
+def test_core_defaults_answer_the_optional_hooks_and_an_adapters_own_win() -> None:
     adapter = load_adapter(Complete())
-    assert "kvstrata_create_worker" not in adapter.implementations()
-    assert adapter.hook.kvstrata_create_worker.get_hookimpls(), "the core's default must be registered"
+    for hook in ("kvstrata_event_backend", "kvstrata_loadable_tokens", "kvstrata_request_id",
+                 "kvstrata_report_load_failure"):
+        assert hook not in adapter.implementations() and getattr(adapter.hook, hook).get_hookimpls(), hook
+    assert adapter.loadable_tokens(100, 16) == 96  # every whole block
+    assert adapter.request_id(7) == "7"
+    assert isinstance(adapter.event_backend("cpu"), HostEventBackend)
+    with pytest.raises(ValueError, match=r"no event backend for device 'cuda:0'.*kvstrata_event_backend"):
+        adapter.event_backend("cuda:0")
+    assert adapter.report_load_failure("r", [[1, 2]], "why") == LoadFailure("r", [[1, 2]], "why")
+    vllm_hooks = pytest.importorskip("kvstrata.adapters.vllm.hooks")
+    vllm = load_adapter(vllm_hooks, check_engine=False)
+    assert vllm.loadable_tokens(96, 16) == 80  # the block holding the last token is vLLM's to compute
+    assert vllm.report_load_failure("r", [[1, 2], [5]], "why") == {1, 2, 5}
 
 
-def test_shared_payload_builder_keeps_eight_items_in_both_modes() -> None:
-    key = CacheKey.for_tokens("r", [1, 2, 3], model="m")
-    chunk = build_retrieve_payload(key, 0, [[1]])
-    layer = build_retrieve_payload(key, 0, [[1]], arrival_board={"name": "b", "slot": 0, "generation": 1},
-                                   layers_per_stage=2)
-    for payload in (chunk, layer):
-        declaration(RequestType.RETRIEVE).validate(payload)
-    assert chunk[5:] == [None, None, 0]
-    assert layer[5:] == [{"name": "b", "slot": 0, "generation": 1}, None, 2]
-    request = RetrieveRequest(key, 0, [[1]], layers_per_stage=2, arrival_board=layer[5])
-    assert default_retrieve_payload(request) == layer
+def test_hook_results_are_checked_naming_the_adapter() -> None:
+    class OddLoadable(Complete):
+        @hookimpl
+        def kvstrata_loadable_tokens(self, num_prompt_tokens: int, block_size: int) -> int:
+            return num_prompt_tokens  # not block-aligned
+
+    with pytest.raises(HookResultError, match=r"adapter 'OddLoadable': kvstrata_loadable_tokens\(100, 16\) "
+                                              r"returned 100, expected a multiple of 16"):
+        load_adapter(OddLoadable()).loadable_tokens(100, 16)
+
+    class LayoutOnly(Complete):
+        @hookimpl
+        def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> Any:
+            return reference.kvstrata_describe_kv_cache(kv_caches, placement).layout
+
+    driver = reference.ReferenceConformanceDriver(HarnessSpec(num_layers=2, num_blocks=8))
+    try:
+        with pytest.raises(HookResultError, match="expected a kvstrata.core.adapter_api.types.KVCacheDescription"):
+            load_adapter(LayoutOnly()).describe_kv_cache(driver.kv_caches, "server")
+    finally:
+        driver.close()
 
 
-def test_adapter_client_sends_what_the_payload_hook_builds() -> None:
-    """A real server and the reference engine: the retrieve the worker sends is built by the adapter's hook."""
-    calls: list[RetrieveRequest] = []
+def test_the_runtimes_call_every_optional_hook_in_production(tmp_path: Path) -> None:
+    """A real server and the reference engine driven through the runtimes: each optional hook is called, and a
+    load the server refuses reaches the engine through the failure-report hook."""
+    calls: dict[str, list[Any]] = {}
 
     class Recording(Complete):
         @hookimpl
-        def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-            calls.append(request)
-            return default_retrieve_payload(request)
+        def kvstrata_event_backend(self, device: str) -> Any:
+            calls.setdefault("event_backend", []).append(device)
+            return HostEventBackend()
+
+        @hookimpl
+        def kvstrata_loadable_tokens(self, num_prompt_tokens: int, block_size: int) -> int:
+            calls.setdefault("loadable_tokens", []).append(num_prompt_tokens)
+            return (num_prompt_tokens // block_size) * block_size
+
+        @hookimpl
+        def kvstrata_request_id(self, engine_request_id: Any) -> str:
+            calls.setdefault("request_id", []).append(engine_request_id)
+            return f"engine-{engine_request_id}"
+
+        @hookimpl
+        def kvstrata_report_load_failure(self, engine_request_id: Any, block_ids: list[list[int]],
+                                         reason: str) -> Any:
+            calls.setdefault("report_load_failure", []).append((engine_request_id, reason))
+            return LoadFailure(engine_request_id, block_ids, reason)
 
     adapter = load_adapter(Recording())
-    engine = adapter.conformance_engine(HarnessSpec(num_layers=4, num_blocks=32))
+    driver = adapter.conformance_driver(HarnessSpec(num_layers=4, num_blocks=32))
     with ServerProcess(l1_bytes=32 << 20, chunk_size=64) as server:
-        client = adapter.client(server.address)
-        assert isinstance(client, AdapterCacheClient) and isinstance(client, CacheClient)
-        layout = adapter.describe_kv_layout(engine.kv_caches, engine.placement)
-        worker = adapter.create_worker(client, 0, layout, engine.kv_caches, engine.placement,
-                                       WorkerOptions(retrieve_timeout=20.0))
         try:
-            worker.register()
+            driver.start(RuntimeSettings(server.address, layers_per_stage=1, record_path=str(tmp_path / "r.jsonl")))
             prompt = list(range(1, 129))
-            blocks = engine.allocate(len(prompt))
-            engine.prefill(prompt, blocks)
-            truth = [engine.read_layer(blocks, layer, len(prompt)) for layer in range(4)]
-            client.store(CacheKey.for_tokens("store", prompt, model="m"), 0, blocks)
-            dst = engine.allocate(len(prompt))
-            engine.clear(dst)
-            key = CacheKey.for_tokens("retrieve", prompt, model="m")
-            assert client.lookup(key) == len(prompt)
-            worker.submit_retrieve("retrieve", key, dst, layers_per_stage=1)
-            worker.wait_all(20.0)
-            assert [engine.read_layer(dst, layer, len(prompt)) for layer in range(4)] == truth
-            assert [(c.key.request_id, c.layers_per_stage) for c in calls] == [("retrieve", 1)]
-            assert calls[0].arrival_board is not None
+            blocks = driver.allocate(len(prompt))
+            driver.prefill(prompt, blocks)
+            driver.store("s", prompt, blocks)
+            assert driver.load("bad", prompt, [[31, 32, 33, 34, 35, 36, 37, 38]]) == 128  # block 32 does not exist
+            for _ in range(2000):
+                failed = driver.poll().failed_blocks
+                if failed:
+                    break
+                driver.runtime.transfers.wait_all(0.01)
+            assert failed == {31, 32, 33, 34, 35, 36, 37, 38}
         finally:
-            worker.close()
-            client.close()
-            engine.close()
-
-
-def test_adapter_client_refuses_a_payload_the_protocol_rejects_naming_the_adapter() -> None:
-    class Short(Complete):
-        @hookimpl
-        def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-            return default_retrieve_payload(request)[:5]
-
-    adapter = load_adapter(Short())
-    key = CacheKey.for_tokens("r", [1, 2], model="m")
-    with pytest.raises(ProtocolError, match=r"adapter 'Short'.*payload has 5 items, the protocol declares 8"):
-        adapter.build_retrieve_payload(RetrieveRequest(key, 0, [[0]]))
+            driver.close()
+    assert calls["event_backend"] == ["cpu"]
+    assert set(calls["loadable_tokens"]) == {128}  # asked on every lookup call, answered or not
+    assert "s" in calls["request_id"] and "bad" in calls["request_id"]
+    assert [rid for rid, _ in calls["report_load_failure"]] == ["bad"]
+    assert "block" in calls["report_load_failure"][0][1]

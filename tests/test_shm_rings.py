@@ -166,12 +166,26 @@ def test_rings_the_server_cannot_map_leave_frames_to_zmq(server, monkeypatch, ca
         client.close()
 
 
-def test_the_rings_can_be_turned_off(server, monkeypatch):
-    monkeypatch.setenv("KVSTRATA_RINGS", "0")
-    with Client(server.address, default_timeout=10) as client:
+def test_the_rings_can_be_turned_off(server):
+    with Client(server.address, default_timeout=10, rings="none") as client:
         clients_before = client.call(RequestType.SERVER_INFO)["rings"]["clients"]  # the module shares the server
         assert not client.attach_rings()
+        assert client.reply_ring is None and client.request_ring is None and client.mailbox is None
         assert client.call(RequestType.SERVER_INFO)["rings"]["clients"] == clients_before
+
+
+@pytest.mark.parametrize("rings, request_ring, mailbox", [("rings", True, False), ("replies", False, False)])
+def test_a_client_attaches_only_the_rings_its_setting_names(server, rings, request_ring, mailbox):
+    with Client(server.address, default_timeout=10, rings=rings) as client:
+        assert client.attach_rings()
+        assert client.reply_ring is not None
+        assert (client.request_ring is not None) == request_ring and (client.mailbox is not None) == mailbox
+        assert client.call(RequestType.PING) == "pong"
+
+
+def test_an_unknown_ring_setting_is_refused():
+    with pytest.raises(ValueError, match="rings must be one of"):
+        Client("ipc:///nonexistent/kvstrata.sock", rings="0")
 
 
 def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, monkeypatch):

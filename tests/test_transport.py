@@ -74,9 +74,9 @@ class SlowTransfers:
 def serve() -> Iterator[Any]:
     servers: list[Server] = []
 
-    def start(transfer_threads: int, transfers: SlowTransfers) -> Server:
+    def start(transfer_threads: int, transfers: SlowTransfers, **server_args: Any) -> Server:
         address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s"
-        server = Server(address, transfer_threads=transfer_threads)
+        server = Server(address, transfer_threads=transfer_threads, **server_args)
         for rt, decl in DECLARATIONS.items():
             if rt in TRANSPORT_REQUESTS:
                 continue
@@ -384,8 +384,11 @@ def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_re
     assert any(w == [8] for w in watched[before:]), f"later transfers were not watched by the busy-wait again: {watched}"
 
 
-def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any) -> None:
-    """Nothing polls the device, so the handler's own thread settles the transfer (ready() never says so)."""
+@pytest.mark.parametrize("busy_polling", [False, True], ids=["no busy polling", "replies not deferred"])
+def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any,
+                                                                                 busy_polling: bool) -> None:
+    """Nothing polls the device, or the server was told not to defer replies (``defer_replies=False``), so
+    the handler's own thread settles the transfer (ready() never says so)."""
     settled_by: list[str] = []
 
     def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
@@ -397,8 +400,10 @@ def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(
 
         return Deferred(settle, lambda: False)
 
-    server = serve(2, SlowTransfers())
+    server = serve(2, SlowTransfers(), defer_replies=not busy_polling)
     server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    if busy_polling:
+        server.enable_busy_poll(python_busy_wait, 5.0)
     with Client(server.address, default_timeout=60) as client:
         assert client.call(RequestType.RETRIEVE, retrieve_payload(4))["instance_id"] == 4
     assert settled_by == ["handler"]

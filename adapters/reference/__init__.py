@@ -17,27 +17,18 @@ translates that into the core's strided :class:`PagedKVLayout`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from kvstrata.core.adapter_api.hookspecs import (
-    AdapterInfo,
-    HarnessSpec,
-    NotSupported,
-    WorkerOptions,
-    hookimpl,
-)
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
-from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (registered as this adapter's hooks)
-    kvstrata_build_retrieve_payload,
-    kvstrata_poll_released,
-    kvstrata_take_failed,
-    kvstrata_wait_for_layer,
-    layerwise_worker,
-)
+from kvstrata.core.adapter_api.hookspecs import hookimpl
+from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
+from kvstrata.core.testing.runtime_driver import RuntimeDriver
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine, synthetic_kv
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
 from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
 NAME = "reference"
@@ -77,12 +68,7 @@ def kvstrata_adapter_info() -> AdapterInfo:
                                    "adapter and the worked example of every hook")
 
 
-@hookimpl
-def kvstrata_describe_kv_layout(kv_caches: Any, placement: str) -> PagedKVLayout:
-    if not isinstance(kv_caches, ReferenceKVCache):
-        raise TypeError(f"the reference adapter describes a ReferenceKVCache, got {type(kv_caches).__name__}")
-    if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
-        raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
+def reference_layout(kv_caches: "ReferenceKVCache") -> PagedKVLayout:
     s = kv_caches.shape
     layout = blocks_layout(num_layers=s.num_layers, kv_size=s.kv_size, num_blocks=kv_caches.num_blocks,
                            block_size=kv_caches.block_size, num_heads=s.num_heads, head_size=s.head_size,
@@ -93,23 +79,24 @@ def kvstrata_describe_kv_layout(kv_caches: Any, placement: str) -> PagedKVLayout
 
 
 @hookimpl
-def kvstrata_create_worker(client: Any, instance_id: int, layout: PagedKVLayout, kv_caches: Any, placement: str,
-                           options: WorkerOptions) -> Any:
-    # Worker placement copies in this process, through the engine's own views of its cache.
-    local = list(kv_caches.regions) if placement == PLACEMENT_WORKER else None
-    return layerwise_worker(client, instance_id, layout, placement, options, local_regions=local)
+def kvstrata_describe_kv_cache(kv_caches: Any, placement: str) -> KVCacheDescription:
+    # The cache is in shared memory, so both placements describe it the same way; worker
+    # placement copies through the engine's own views of it (the regions).
+    if not isinstance(kv_caches, ReferenceKVCache):
+        raise TypeError(f"the reference adapter describes a ReferenceKVCache, got {type(kv_caches).__name__}")
+    return KVCacheDescription(reference_layout(kv_caches), list(kv_caches.regions))
 
 
 @hookimpl
-def kvstrata_conformance_harness(spec: HarnessSpec) -> "ReferenceConformanceEngine":
-    return ReferenceConformanceEngine(spec)
+def kvstrata_conformance_driver(spec: HarnessSpec) -> "ReferenceConformanceDriver":
+    return ReferenceConformanceDriver(spec)
 
 
 # --- the engine side the conformance suite drives --------------------------------------
 
 
-class ReferenceConformanceEngine:
-    """The reference engine as a :class:`~kvstrata.core.adapter_api.hookspecs.ConformanceEngine`.
+class ReferenceCache:
+    """The reference engine's cache, with what the conformance suite reads and writes in it.
 
     Supports hybrid caches: with ``kv_groups > 1`` each group of layers has its
     own block table (``allocate`` hands out distinct blocks per group), which
@@ -120,13 +107,12 @@ class ReferenceConformanceEngine:
         self.spec = spec
         self.shape = ModelShape(spec.num_layers, spec.kv_size, spec.num_heads, spec.head_size, spec.dtype)
         groups = layer_groups_for(spec.num_layers, spec.kv_groups)
-        self.placement = str(spec.extra.get("placement", PLACEMENT_SERVER))
         self._engine = ReferenceEngine(self.shape, num_blocks=spec.num_blocks, block_size=spec.block_size)
         self.kv_caches = ReferenceKVCache(self._engine.segment.name, self._engine.segment.size, self.shape,
                                           spec.num_blocks, spec.block_size, groups,
                                           tuple(self._engine.regions))
         # The engine's own view of its cache, hybrid or not (what its kernels would address).
-        self._layout = kvstrata_describe_kv_layout(self.kv_caches, self.placement)
+        self._layout = reference_layout(self.kv_caches)
         self._group_of_layer = self._layout.group_of_layer()
         self._num_groups = len(self._layout.groups)
 
@@ -166,3 +152,15 @@ class ReferenceConformanceEngine:
     def close(self) -> None:
         self.kv_caches = None  # drop the views before the segment goes
         self._engine.close()
+
+
+class ReferenceConformanceDriver(RuntimeDriver, ReferenceCache):
+    """The reference engine's engine side: it calls the core's runtimes directly (it has no connector API)."""
+
+    def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
+        ReferenceCache.__init__(self, spec)
+        RuntimeDriver.__init__(self, spec, adapter or load_adapter(sys.modules[__name__]))
+
+    def close(self) -> None:
+        RuntimeDriver.close(self)
+        ReferenceCache.close(self)

@@ -1,4 +1,4 @@
-"""kvstrata's vLLM KV connector (KVConnectorBase_V1).
+"""kvstrata's vLLM KV connector: ``KVConnectorBase_V1`` translated onto the core's engine runtime.
 
 Enable with::
 
@@ -8,26 +8,29 @@ Enable with::
                            "kv_connector_extra_config": {"server_address": "ipc:///run/kvstrata.sock",
                                                          "layers_per_stage": 1}}'
 
+(the settings are :class:`kvstrata.core.engine.settings.RuntimeSettings`).
 vLLM builds one instance in the scheduler process (role SCHEDULER) and one in
-each worker (role WORKER). Each public method below says which side calls it
-and when; the work itself lives in :class:`SchedulerSide` and :class:`WorkerSide`.
+each worker (role WORKER, one per tensor-parallel rank). Each method says which
+side calls it and when; the work is the runtime's
+(:class:`~kvstrata.core.engine.scheduler_runtime.SchedulerRuntime`,
+:class:`~kvstrata.core.engine.worker_runtime.WorkerRuntime`), and what is
+vLLM's own answers through the adapter's hooks (:mod:`.hooks`).
 
 The life of a cache hit:
 
-1. scheduler, ``get_num_new_matched_tokens``: LOOKUP goes out asynchronously;
-   ``(None, False)`` ("ask again") until the reply, then ``(n, True)`` for a
+1. scheduler, ``get_num_new_matched_tokens``: ``(None, False)`` ("ask again")
+   until every rank's LOOKUP is answered, then ``(n, True)`` for a
    block-aligned hit beyond vLLM's own prefix cache (async load).
-2. scheduler, ``update_state_after_alloc`` + ``build_connector_meta``: the
-   request's block ids and the slice width go to the worker in the metadata.
-3. worker, ``bind_connector_metadata``: the retrieve starts.
-4. worker, ``get_finished``: the request is reported in ``finished_recving`` as
-   soon as its first slice has landed (overlap on) or when complete (off).
+2. scheduler, ``update_state_after_alloc`` + ``build_connector_meta``: the load
+   (block ids, slice width) goes to the workers in the metadata.
+3. worker, ``bind_connector_metadata``: the load starts.
+4. worker, ``get_finished``: the request is in ``finished_recving`` as soon as
+   its first slice has landed (chunk-major: when complete).
 5. worker, ``wait_for_layer_load``: before each attention layer, wait for that
-   layer across every in-flight retrieve (released blocks are cached and other
+   layer across every load in flight (released blocks are cached, and other
    requests in the same step can read them).
-6. A transfer that fails after release: its blocks come back from
-   ``get_block_ids_with_load_errors`` and vLLM recomputes them
-   (``kv_load_failure_policy: "recompute"``).
+6. A load that fails after release: its blocks come back from
+   ``get_block_ids_with_load_errors`` and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .settings import ConnectorSettings, requires_piecewise
+from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
+from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.engine.worker_runtime import WorkerRuntime
+
+from .kv_layout import layer_index
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,39 +62,59 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.adapters.vllm")
 
+SETTINGS_WHERE = "kv_connector_extra_config"
+
+
+def salt_of(request: Any) -> str | None:
+    """Requests that must not share KV (a cache salt, a LoRA adapter) get different keys."""
+    parts = [p for p in (getattr(request, "cache_salt", None),
+                         getattr(getattr(request, "lora_request", None), "lora_name", None)) if p]
+    return "|".join(map(str, parts)) or None
+
 
 class KvstrataMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step: loads to start, stores to make, requests preempted.
+    """Scheduler -> workers, once per step: loads to start, stores to make, preempted requests to settle."""
 
-    vLLM moves this between its own processes; it carries only plain values.
-    """
-
-    def __init__(self, loads: list[dict[str, Any]], stores: list[dict[str, Any]], preempted: list[str]) -> None:
+    def __init__(self, loads: list[LoadSpec], stores: list[StoreSpec], preempted: list[str]) -> None:
         self.loads = loads
         self.stores = stores
         self.preempted = preempted
 
 
+def _tensor_parallel(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int]:
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("kvstrata's vLLM connector does not support pipeline parallelism yet "
+                         f"(pipeline_parallel_size={parallel.pipeline_parallel_size})")
+    world = int(getattr(parallel, "tensor_parallel_size", 1))
+    if role == KVConnectorRole.SCHEDULER or world == 1:
+        return 0, world
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), world
+
+
 class KvstrataConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.settings = ConnectorSettings.from_extra_config(extra)
+        self.settings = RuntimeSettings.from_mapping(vllm_config.kv_transfer_config.kv_connector_extra_config,
+                                                     where=SETTINGS_WHERE)
+        adapter = load_adapter("vllm")
         model = self.settings.model_name or str(vllm_config.model_config.model)
         block_size = vllm_config.cache_config.block_size
+        rank, world = _tensor_parallel(vllm_config, role)
+        self.scheduler_runtime: SchedulerRuntime | None = None
+        self.worker_runtime: WorkerRuntime | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from .scheduler_side import SchedulerSide
-
-            self._scheduler = SchedulerSide(self.settings, model=model, block_size=block_size)
-            self._worker = None
+            self.scheduler_runtime = SchedulerRuntime(adapter, self.settings, model=model, block_size=block_size,
+                                                      world_size=world)
         else:
-            from .worker_side import WorkerSide
-
-            rank = getattr(vllm_config.parallel_config, "rank", 0)
-            self._worker = WorkerSide(self.settings, model=model, block_size=block_size, rank=rank)
-            self._scheduler = None
-        log.info("kvstrata connector (%s) for %s: server %s, layers_per_stage=%d%s", role.name, model,
-                 self.settings.server_address, self.settings.layers_per_stage,
+            self.worker_runtime = WorkerRuntime(adapter, self.settings, model=model, rank=rank, world_size=world)
+        self._kv_cache_manager: Any = None
+        self._layer_of: dict[str, int] = {}
+        log.info("kvstrata connector (%s%s) for %s: server %s, layers_per_stage=%d%s", role.name,
+                 f", rank {rank} of {world}" if world > 1 else "", model, self.settings.server_address,
+                 self.settings.layers_per_stage,
                  "" if self.settings.layers_per_stage else " (chunk-major, no early release)")
 
     # --- class-level, called at config time before any worker exists ------------------
@@ -97,83 +126,100 @@ class KvstrataConnector(KVConnectorBase_V1):
         Read from the same setting that sets the slice width, so the graph mode
         and the width cannot disagree.
         """
-        return requires_piecewise(extra_config)
+        return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_stage > 0
 
     # --- scheduler side ----------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Scheduler, at start-up: kept to read a request's block ids when its prompt is stored."""
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._scheduler.kv_cache_manager = kv_cache_manager
+        self._kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Scheduler, each step while admitting a waiting request: how much kvstrata can load."""
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        """Scheduler, each step while admitting a waiting request: how much kvstrata can load (async)."""
+        n = self.scheduler_runtime.lookup(request.request_id, request.prompt_token_ids, num_computed_tokens,
+                                          salt_of(request))
+        return (None, False) if n is None else (n, n > 0)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         """Scheduler, right after blocks were allocated for an admitted request."""
-        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        self.scheduler_runtime.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        """Scheduler, at the end of every schedule() call (also empty steps)."""
-        return KvstrataMetadata(**self._scheduler.build_step(scheduler_output))
+        """Scheduler, at the end of every ``schedule()`` (empty steps too), before requests' progress advances."""
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled = [ScheduledRequest(r.req_id, r.num_computed_tokens, counts.get(r.req_id, 0))
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [ScheduledRequest(rid, done, counts.get(rid, 0))
+                      for rid, done in zip(cached.req_ids, cached.num_computed_tokens)]
+        plan = self.scheduler_runtime.plan_step(scheduled, scheduler_output.preempted_req_ids or (),
+                                                block_ids_of=self._block_ids_of)
+        return KvstrataMetadata(plan.loads, plan.stores, list(plan.preempted))
+
+    def _block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
+        if self._kv_cache_manager is None:
+            raise RuntimeError("vLLM never bound its KV cache manager (bind_kv_cache_manager): cannot store")
+        return self._kv_cache_manager.get_block_ids(request_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Scheduler, every step: learns which requests the workers released."""
-        self._scheduler.on_worker_output(connector_output.finished_recving or ())
+        self.scheduler_runtime.released(connector_output.finished_recving or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once, when a request finishes or is aborted, before its blocks are freed.
 
-        Returns True (keep the blocks) while a released request's transfer may
-        still be writing them; the worker reports it in ``finished_sending`` once
-        the transfer settled. END_SESSION releases whatever locks it still holds.
+        True (keep the blocks) while a released request's load may still be
+        writing them; the worker reports it in ``finished_sending`` once settled.
         """
-        return self._scheduler.request_finished(request), None
+        return self.scheduler_runtime.finished(request.request_id), None
 
     def shutdown(self) -> None:
         """Either side, at exit."""
-        side = self._scheduler or self._worker
-        if side is not None:
-            side.close()
+        runtime = self.scheduler_runtime or self.worker_runtime
+        if runtime is not None:
+            runtime.close()
 
     # --- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker, once, after vLLM allocated its KV cache: describe it to the server."""
-        self._worker.register(kv_caches)
+        """Worker, once, after vLLM allocated its KV cache: describe it and register it with the server."""
+        self._layer_of = {name: layer_index(name) for name in kv_caches}
+        self.worker_runtime.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Worker, every step before the forward: a preempted request's blocks are about to be reused."""
         if isinstance(kv_connector_metadata, KvstrataMetadata) and kv_connector_metadata.preempted:
-            self._worker.handle_preemptions(kv_connector_metadata.preempted)
+            self.worker_runtime.settle(kv_connector_metadata.preempted)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, every step before the forward: start this step's retrieves."""
+        """Worker, every step before the forward: start this step's loads."""
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, KvstrataMetadata)
-        self._worker.start_loads(connector_metadata.loads)
+        if not isinstance(connector_metadata, KvstrataMetadata):
+            raise TypeError(f"kvstrata's connector got {type(connector_metadata).__name__} metadata")
+        self.worker_runtime.start_loads(connector_metadata.loads)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Worker, every step: nothing to do, the loads started in bind_connector_metadata."""
+        """Worker, every step: nothing to do, the loads started in ``bind_connector_metadata``."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, right before each attention layer reads the cache: wait for that layer."""
-        self._worker.wait_for_layer(layer_name)
+        """Worker, right before each attention layer reads the cache: wait for that layer (bounded)."""
+        self.worker_runtime.wait_for_layer(self._layer_of[layer_name])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Worker, after each attention layer: stores happen once the forward is done (wait_for_save)."""
+        """Worker, after each attention layer: stores happen once the forward is done (``wait_for_save``)."""
 
     def wait_for_save(self) -> None:
         """Worker, after the forward: STORE the prompts that finished prefill this step."""
         meta = self._get_connector_metadata()
         if isinstance(meta, KvstrataMetadata) and meta.stores:
-            self._worker.store(meta.stores)
+            self.worker_runtime.store(meta.stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker, every step after the forward: (finished_sending, finished_recving)."""
-        return self._worker.get_finished(finished_req_ids)
+        freeable, released = self.worker_runtime.poll(finished_req_ids)
+        return freeable or None, released or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Worker, every step: blocks whose transfer failed, for vLLM to recompute."""
-        return self._worker.take_load_errors()
+        """Worker, every step: blocks whose load failed, for vLLM to recompute."""
+        return set().union(*self.worker_runtime.take_load_failures())

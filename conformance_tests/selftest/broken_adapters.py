@@ -1,135 +1,173 @@
 """Adapters that each break exactly one conformance rule, the way real adapters have broken it.
 
-Each is the reference adapter with one hook changed, loaded by module path
+Each is the reference adapter with one hook or one engine-facing call changed,
+loaded by module path
 (``--adapter kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait``).
 ``BROKEN_RULES`` says which rule each breaks and which tests show it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Sequence
 
 from kvstrata.adapters import reference
-from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, RetrieveRequest, WorkerOptions, hookimpl
+from kvstrata.core.adapter_api.hookspecs import hookimpl
+from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.adapter_api.types import AdapterInfo, DriverPoll, HarnessSpec, KVCacheDescription
+from kvstrata.core.engine.settings import RuntimeSettings
 
 
 class _ReferenceBased:
-    """The reference adapter's hooks as methods, so a subclass can break one of them."""
+    """The reference adapter's hooks as methods, so a subclass can break one of them or its driver."""
 
     name = "broken"
+    driver_class: type = reference.ReferenceConformanceDriver
 
     @hookimpl
     def kvstrata_adapter_info(self) -> AdapterInfo:
         return AdapterInfo(name=self.name, engine="kvstrata reference engine (deliberately broken)")
 
     @hookimpl
-    def kvstrata_describe_kv_layout(self, kv_caches: Any, placement: str) -> Any:
-        return reference.kvstrata_describe_kv_layout(kv_caches, placement)
+    def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
+        return reference.kvstrata_describe_kv_cache(kv_caches, placement)
 
     @hookimpl
-    def kvstrata_create_worker(self, client: Any, instance_id: int, layout: Any, kv_caches: Any, placement: str,
-                               options: WorkerOptions) -> Any:
-        return reference.kvstrata_create_worker(client, instance_id, layout, kv_caches, placement, options)
-
-    @hookimpl
-    def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-        return reference.kvstrata_build_retrieve_payload(request)
-
-    @hookimpl
-    def kvstrata_poll_released(self, worker: Any) -> list[str]:
-        return reference.kvstrata_poll_released(worker)
-
-    @hookimpl
-    def kvstrata_wait_for_layer(self, worker: Any, layer: int) -> None:
-        reference.kvstrata_wait_for_layer(worker, layer)
-
-    @hookimpl
-    def kvstrata_take_failed(self, worker: Any) -> dict[str, Any]:
-        return reference.kvstrata_take_failed(worker)
-
-    @hookimpl
-    def kvstrata_conformance_harness(self, spec: HarnessSpec) -> Any:
-        return reference.kvstrata_conformance_harness(spec)
+    def kvstrata_conformance_driver(self, spec: HarnessSpec) -> Any:
+        return self.driver_class(spec, adapter=load_adapter(self))
 
 
-class ShortChunkMajorPayload(_ReferenceBased):
-    """Appends the three layer-major fields only when layer-major is on: chunk-major RETRIEVEs have 5 items."""
+# --- rule "retrieve-payload" --------------------------------------------------------------
 
-    @hookimpl
-    def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-        payload = reference.kvstrata_build_retrieve_payload(request)
-        return payload if request.layers_per_stage else payload[:5]
+
+class _DropsWidth(reference.ReferenceConformanceDriver):
+    def start(self, settings: RuntimeSettings) -> None:
+        super().start(dataclasses.replace(settings, layers_per_stage=0))
 
 
 class WidthDropped(_ReferenceBased):
-    """Sends the arrival board but never the slice width: well-typed, so only the wire check can tell."""
+    """Reads the deployer's settings but never passes the slice width on: every load goes out chunk-major."""
 
-    @hookimpl
-    def kvstrata_build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-        payload = reference.kvstrata_build_retrieve_payload(request)
-        payload[7] = 0
-        return payload
+    driver_class = _DropsWidth
+
+
+# --- rule "early-release" -----------------------------------------------------------------
+
+
+class _ReleasesOnCompletion(reference.ReferenceConformanceDriver):
+    def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
+        super().__init__(spec, adapter=adapter)
+        self._pending: set[str] = set()
+
+    def poll(self) -> DriverPoll:
+        p = super().poll()
+        self._pending.update(p.released)
+        done = sorted(r for r in self._pending if r not in self.runtime.in_flight())
+        self._pending.difference_update(done)
+        return DriverPoll(done, p.failed_blocks)
 
 
 class ReleasesOnCompletion(_ReferenceBased):
     """Hands a request back only once its whole transfer has finished: the per-layer machinery is inert."""
 
-    def __init__(self) -> None:
-        self._pending: set[str] = set()
+    driver_class = _ReleasesOnCompletion
 
-    @hookimpl
-    def kvstrata_poll_released(self, worker: Any) -> list[str]:
-        self._pending.update(worker.get_finished())
-        done = []
-        for rid in sorted(self._pending):
-            future = worker.future_of(rid)
-            if future is None or future.done():
-                done.append(rid)
-        self._pending.difference_update(done)
-        return done
+
+# --- rule "layer-wait" --------------------------------------------------------------------
+
+
+class _NoLayerWait(reference.ReferenceConformanceDriver):
+    def wait_for_layer(self, layer: int) -> None:
+        return None
 
 
 class NoLayerWait(_ReferenceBased):
     """Never waits before a layer is read: with early release the engine reads KV still in flight."""
 
-    @hookimpl
-    def kvstrata_wait_for_layer(self, worker: Any, layer: int) -> None:
-        return None
+    driver_class = _NoLayerWait
+
+
+# --- rule "failure-reported" --------------------------------------------------------------
+
+
+class _SwallowsFailures(reference.ReferenceConformanceDriver):
+    def poll(self) -> DriverPoll:
+        return DriverPoll(super().poll().released, set())
 
 
 class SwallowsFailures(_ReferenceBased):
-    """Drains the worker's failures and tells the engine nothing."""
+    """Takes the runtime's failure reports and tells the engine nothing."""
+
+    driver_class = _SwallowsFailures
+
+
+# --- rule "fallback" ----------------------------------------------------------------------
+
+
+class _IgnoresPoolSlots(reference.ReferenceConformanceDriver):
+    def start(self, settings: RuntimeSettings) -> None:
+        super().start(dataclasses.replace(settings, pool_slots=16))
+
+
+class IgnoresPoolSlots(_ReferenceBased):
+    """Builds its runtime with a pool size of its own: a retrieve that should find the pool empty does not."""
+
+    driver_class = _IgnoresPoolSlots
+
+
+# --- rule "kv-layout" ---------------------------------------------------------------------
+
+
+class LayoutWrongBlockSize(_ReferenceBased):
+    """Describes the cache with twice its block size (read from the wrong dimension)."""
 
     @hookimpl
-    def kvstrata_take_failed(self, worker: Any) -> dict[str, Any]:
-        worker.take_failed()
-        return {}
+    def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
+        described = reference.kvstrata_describe_kv_cache(kv_caches, placement)
+        layout = dataclasses.replace(described.layout, block_size=described.layout.block_size * 2)
+        return dataclasses.replace(described, layout=layout)
 
 
-class MissingWaitHook(_ReferenceBased):
-    """Forgot to mark the per-layer wait with @hookimpl, so pluggy never sees it."""
-
-    def kvstrata_wait_for_layer(self, worker: Any, layer: int) -> None:  # no @hookimpl: the bug
-        reference.kvstrata_wait_for_layer(worker, layer)
+# --- rule "hooks" -------------------------------------------------------------------------
 
 
-class WrongWaitSignature(_ReferenceBased):
-    """Takes the engine's layer *name* where the specification passes the layer index."""
+class MissingDescribeHook(_ReferenceBased):
+    """Forgot to mark the cache description with @hookimpl, so pluggy never sees it."""
+
+    def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:  # no @hookimpl
+        return reference.kvstrata_describe_kv_cache(kv_caches, placement)
+
+
+class WrongDescribeSignature(_ReferenceBased):
+    """Names the second argument ``where`` where the specification passes ``placement``."""
 
     @hookimpl
-    def kvstrata_wait_for_layer(self, worker: Any, layer_name: str) -> None:  # type: ignore[override]
-        reference.kvstrata_wait_for_layer(worker, int(layer_name.rsplit(".", 1)[-1]))
+    def kvstrata_describe_kv_cache(self, kv_caches: Any, where: str) -> KVCacheDescription:  # type: ignore[override]
+        return reference.kvstrata_describe_kv_cache(kv_caches, where)
+
+
+class _SwappedReadLayer(reference.ReferenceConformanceDriver):
+    def read_layer(self, layer: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> bytes:  # type: ignore[override]
+        return super().read_layer(block_ids, layer, num_tokens)
+
+
+class SwappedReadLayerArguments(_ReferenceBased):
+    """The driver's read_layer takes (layer, block_ids): the same count as declared, in the wrong order."""
+
+    driver_class = _SwappedReadLayer
 
 
 MODULE = __name__
 
 BROKEN_RULES: dict[str, tuple[str, str]] = {
     # adapter class: (rule it breaks, pytest -k expression selecting the tests that show it)
-    "ShortChunkMajorPayload": ("retrieve-payload", "payload_hook or on_the_wire"),
     "WidthDropped": ("retrieve-payload", "on_the_wire and layer"),
     "ReleasesOnCompletion": ("early-release", "released_on_first_slice"),
     "NoLayerWait": ("layer-wait", "released_on_first_slice"),
     "SwallowsFailures": ("failure-reported", "killed_mid_transfer"),
-    "MissingWaitHook": ("hooks", "loads"),
-    "WrongWaitSignature": ("hooks", "loads"),
+    "IgnoresPoolSlots": ("fallback", "exhausted"),
+    "LayoutWrongBlockSize": ("kv-layout", "kv_layout"),
+    "MissingDescribeHook": ("hooks", "loads"),
+    "WrongDescribeSignature": ("hooks", "loads"),
+    "SwappedReadLayerArguments": ("hooks", "declared_methods"),
 }

@@ -35,21 +35,11 @@ from typing import Any, Sequence
 import pluggy
 
 from kvstrata.core.adapter_api import hookspecs
-from kvstrata.core.wire.client import CacheClient, build_retrieve_payload
-from kvstrata.core.adapter_api.hookspecs import (
-    ENTRY_POINT_GROUP,
-    PROJECT_NAME,
-    REQUIRED_HOOKS,
-    AdapterInfo,
-    ConformanceEngine,
-    HarnessSpec,
-    RetrieveRequest,
-    WorkerOptions,
-    hookimpl,
-)
-from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.adapter_api.defaults import CoreDefaults
+from kvstrata.core.adapter_api.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, REQUIRED_HOOKS
+from kvstrata.core.adapter_api.types import AdapterInfo, ConformanceDriver, HarnessSpec, KVCacheDescription
+from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.transfer.layouts import PagedKVLayout
-from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
 log = logging.getLogger(__name__)
 
@@ -154,20 +144,6 @@ def resolve(spec: str) -> AdapterSource:
         "give a module path (pkg.module or pkg.module:attribute) to load one that is not installed")
 
 
-# --- the core's default implementations ----------------------------------------------
-
-
-class _CoreDefaults:
-    """Implementations of the optional hooks, registered ``trylast`` so any adapter's win."""
-
-    @hookimpl(trylast=True)
-    def kvstrata_create_worker(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, kv_caches: Any,
-                               placement: str, options: WorkerOptions) -> Any:
-        from kvstrata.core.adapter_api.defaults import layerwise_worker
-
-        return layerwise_worker(client, instance_id, layout, placement, options)
-
-
 _CORE_PLUGIN_NAME = "kvstrata-core-defaults"
 
 
@@ -178,7 +154,7 @@ def new_plugin_manager() -> pluggy.PluginManager:
     """A manager with kvstrata's hook specifications and the core's defaults, and no adapter."""
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    pm.register(_CoreDefaults(), name=_CORE_PLUGIN_NAME)
+    pm.register(CoreDefaults(), name=_CORE_PLUGIN_NAME)
     return pm
 
 
@@ -291,89 +267,44 @@ class Adapter:
                 out[hook_name] = impls
         return out
 
-    # --- hooks, checked -----------------------------------------------------------------
+    # --- hooks, checked ----------------------------------------------------------------
 
-    def describe_kv_layout(self, kv_caches: Any, placement: str) -> PagedKVLayout:
-        layout = self.hook.kvstrata_describe_kv_layout(kv_caches=kv_caches, placement=placement)
-        if not isinstance(layout, PagedKVLayout):
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_describe_kv_layout returned "
-                                  f"{type(layout).__name__}, expected kvstrata.core.transfer.layouts.PagedKVLayout")
-        return layout
+    def describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
+        described = self.hook.kvstrata_describe_kv_cache(kv_caches=kv_caches, placement=placement)
+        if not isinstance(described, KVCacheDescription) or not isinstance(described.layout, PagedKVLayout):
+            raise HookResultError(f"adapter {self.name!r}: kvstrata_describe_kv_cache returned "
+                                  f"{type(described).__name__}, expected a "
+                                  "kvstrata.core.adapter_api.types.KVCacheDescription")
+        return described
 
-    def build_retrieve_payload(self, request: RetrieveRequest) -> list[Any]:
-        """The adapter's RETRIEVE payload, validated against the protocol before it can be sent."""
-        payload = self.hook.kvstrata_build_retrieve_payload(request=request)
-        try:
-            declaration(RequestType.RETRIEVE).validate(payload)
-        except ProtocolError as exc:
-            raise ProtocolError(f"adapter {self.name!r}: kvstrata_build_retrieve_payload built a payload the "
-                                f"protocol rejects: {exc}") from None
-        return payload
+    def event_backend(self, device: str) -> EventBackend:
+        backend = self.hook.kvstrata_event_backend(device=device)
+        if not all(callable(getattr(backend, m, None)) for m in ("create_layer_events", "export", "wait")):
+            raise HookResultError(f"adapter {self.name!r}: kvstrata_event_backend returned "
+                                  f"{type(backend).__name__}, expected a kvstrata.core.arrival.events.EventBackend")
+        return backend
 
-    def client(self, address: str, *, timeout: float = 30.0) -> "AdapterCacheClient":
-        return AdapterCacheClient(address, self, timeout=timeout)
+    def loadable_tokens(self, num_prompt_tokens: int, block_size: int) -> int:
+        n = self.hook.kvstrata_loadable_tokens(num_prompt_tokens=num_prompt_tokens, block_size=block_size)
+        if not isinstance(n, int) or n < 0 or n > num_prompt_tokens or n % block_size:
+            raise HookResultError(f"adapter {self.name!r}: kvstrata_loadable_tokens({num_prompt_tokens}, "
+                                  f"{block_size}) returned {n!r}, expected a multiple of {block_size} in "
+                                  f"[0, {num_prompt_tokens}]")
+        return n
 
-    def create_worker(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, kv_caches: Any,
-                      placement: str, options: WorkerOptions | None = None) -> Any:
-        from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    def request_id(self, engine_request_id: Any) -> str:
+        rid = self.hook.kvstrata_request_id(engine_request_id=engine_request_id)
+        if not isinstance(rid, str) or not rid:
+            raise HookResultError(f"adapter {self.name!r}: kvstrata_request_id({engine_request_id!r}) returned "
+                                  f"{rid!r}, expected a non-empty str")
+        return rid
 
-        worker = self.hook.kvstrata_create_worker(client=client, instance_id=instance_id, layout=layout,
-                                                  kv_caches=kv_caches, placement=placement,
-                                                  options=options or WorkerOptions())
-        if not isinstance(worker, LayerwiseWorker):
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_create_worker returned "
-                                  f"{type(worker).__name__}, expected a kvstrata.core.engine.layerwise_worker.LayerwiseWorker")
-        return worker
+    def report_load_failure(self, engine_request_id: Any, block_ids: list[list[int]], reason: str) -> Any:
+        return self.hook.kvstrata_report_load_failure(engine_request_id=engine_request_id, block_ids=block_ids,
+                                                      reason=reason)
 
-    def poll_released(self, worker: Any) -> list[str]:
-        released = self.hook.kvstrata_poll_released(worker=worker)
-        if not isinstance(released, list) or not all(isinstance(r, str) for r in released):
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_poll_released returned {released!r}, "
-                                  "expected a list of request ids")
-        return released
-
-    def wait_for_layer(self, worker: Any, layer: int) -> None:
-        self.hook.kvstrata_wait_for_layer(worker=worker, layer=layer)
-
-    def take_failed(self, worker: Any) -> dict[str, tuple[list[list[int]], str]]:
-        failed = self.hook.kvstrata_take_failed(worker=worker)
-        if not isinstance(failed, dict):
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_take_failed returned {type(failed).__name__}, "
-                                  "expected a dict of request id -> (block ids, reason)")
-        return failed
-
-    def conformance_engine(self, spec: HarnessSpec) -> ConformanceEngine:
-        engine = self.hook.kvstrata_conformance_harness(spec=spec)
-        if engine is None:
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_conformance_harness returned None")
-        return engine
-
-
-class AdapterCacheClient(CacheClient):
-    """A :class:`CacheClient` whose RETRIEVEs are built by an adapter's ``kvstrata_build_retrieve_payload``.
-
-    Hand it to the worker (``kvstrata_create_worker``) so every retrieve the
-    engine side sends goes through the adapter's hook. The payload is checked
-    against the protocol before it leaves, naming the adapter when it is wrong.
-    """
-
-    def __init__(self, address: str, adapter: Adapter, *, timeout: float = 30.0) -> None:
-        super().__init__(address, timeout=timeout)
-        self.adapter = adapter
-
-    def retrieve_async(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
-                       skip_first_n_tokens: int = 0, event_handle: bytes | None = None,
-                       arrival_board: dict[str, Any] | None = None, layer_event_handles: list[bytes] | None = None,
-                       layers_per_stage: int = 0) -> Any:
-        request = RetrieveRequest(key, instance_id, [list(map(int, g)) for g in block_ids], skip_first_n_tokens,
-                                  event_handle, arrival_board, layer_event_handles, layers_per_stage)
-        payload = self.adapter.build_retrieve_payload(request)
-        return self.transport.submit_unchecked(RequestType.RETRIEVE, payload)
-
-
-def default_retrieve_payload(request: RetrieveRequest) -> list[Any]:
-    """The core's payload for a :class:`RetrieveRequest`: what adapters' payload hooks delegate to."""
-    return build_retrieve_payload(
-        request.key, request.instance_id, request.block_ids, skip_first_n_tokens=request.skip_first_n_tokens,
-        event_handle=request.event_handle, arrival_board=request.arrival_board,
-        layer_event_handles=request.layer_event_handles, layers_per_stage=request.layers_per_stage)
+    def conformance_driver(self, spec: HarnessSpec) -> ConformanceDriver:
+        driver = self.hook.kvstrata_conformance_driver(spec=spec)
+        if driver is None:
+            raise HookResultError(f"adapter {self.name!r}: kvstrata_conformance_driver returned None")
+        return driver

@@ -29,6 +29,9 @@ class EventBackend(Protocol):
     def wait(self, event: Any) -> None:
         """Make the engine's current stream wait for ``event`` (after the board covered it)."""
 
+    def wait_for_engine_writes(self) -> None:
+        """Block until what the engine has queued so far has written its cache (a STORE is about to read it)."""
+
 
 class HostEventBackend:
     name = "host"
@@ -42,3 +45,6 @@ class HostEventBackend:
 
     def wait(self, event: Any) -> None:
         return None
+
+    def wait_for_engine_writes(self) -> None:
+        return None  # a CPU engine's forward has returned, so its writes are done

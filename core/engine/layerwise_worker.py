@@ -40,6 +40,7 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.shm import Segment
+from kvstrata.core.transfer.torch_executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class LayerwiseWorker:
         self._inflight: dict[str, _InFlight] = {}
         self._failed: dict[str, tuple[list[list[int]], str]] = {}
         self._drained: set[str] = set()
+        self._registration_lost = False
         self.records: dict[str, RetrieveRecord] = {}
         self._lock = threading.RLock()
         self._transfer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-worker-transfer") \
@@ -220,8 +222,6 @@ class LayerwiseWorker:
             objects = [pool[o:o + nb].view(kv, layers, t, heads, hb) for o, nb, t in reply["objects"]]
             copies = planner.plan_copies([t for _, _, t in reply["objects"]], self.chunk_size, 0, skip)
             job = planner.TransferJob(self.layout, blocks, copies)
-            from kvstrata.core.transfer.torch_executor import TorchExecutor
-
             executor = TorchExecutor(self.local_regions, objects)
             planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c), request_id)
             return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
@@ -283,6 +283,8 @@ class LayerwiseWorker:
             return
         exc = fut.exception()
         if exc is not None:
+            if getattr(exc, "code", None) == "unknown_instance":
+                self._registration_lost = True
             self._fail(inf, f"{type(exc).__name__}: {exc}")
         else:
             self._note_reply(fut, inf.record)  # its done-callback may not have run yet
@@ -407,6 +409,12 @@ class LayerwiseWorker:
         with self._lock:
             inf = self._inflight.get(request_id)
             return inf.future if inf else None
+
+    def take_registration_lost(self) -> bool:
+        """Whether a retrieve was refused for an unknown instance (the server restarted) since the last call."""
+        with self._lock:
+            lost, self._registration_lost = self._registration_lost, False
+            return lost
 
     def take_failed(self) -> dict[str, tuple[list[list[int]], str]]:
         """Failed retrieves since the last call: request id -> (block ids, reason)."""

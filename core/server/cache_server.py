@@ -40,6 +40,10 @@ class ServerConfig:
     allow_remote: bool = False
     busy_poll_ms: float = 25.0
     """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
+    deferred_replies: bool = True
+    """With busy polling on, the polling thread answers a transfer once its copies are done, so the handler's
+    thread is free as soon as they are enqueued; False has the handler's thread wait and answer (for A/B
+    measurements)."""
 
 
 @dataclass
@@ -59,6 +63,12 @@ class _Instance:
 
 class RequestError(ValueError):
     """A well-formed request that cannot be served (unknown instance, bad block ids, ...)."""
+
+
+class UnknownInstance(RequestError):
+    """The instance is not registered here: the engine registers its cache again (error code on the wire)."""
+
+    error_code = "unknown_instance"
 
 
 @dataclass
@@ -91,7 +101,7 @@ class CacheServer:
         self._lock = threading.Lock()
         self._busy_polling = False
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
-                                allow_remote=config.allow_remote)
+                                allow_remote=config.allow_remote, defer_replies=config.deferred_replies)
         handlers = {
             RequestType.PING: self.ping,
             RequestType.SERVER_INFO: self.server_info,
@@ -494,7 +504,7 @@ class CacheServer:
         with self._lock:
             inst = self._instances.get(instance_id)
             if inst is None:
-                raise RequestError(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
+                raise UnknownInstance(f"instance {instance_id} is not registered (REGISTER_KV_CACHE first)")
             self._check_owner(inst)
             inst.transfers += 1
             return inst

@@ -19,6 +19,7 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey, unpack_tokens, pack_tokens
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, blocks_layout, blocks_layout_bytes
 from kvstrata.core.shm import Segment
+from kvstrata.core.transfer.torch_executor import plane_view
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,21 @@ class StagingStore:
                                     fmt=f"{engine_layout.format}+staging")
         self.regions = [torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=size)]
 
-    def _copy_blocks(self, engine_blocks: Sequence[int]) -> None:
-        from kvstrata.core.transfer.torch_executor import plane_view
-
+    def _copy_blocks(self, engine_blocks: Sequence[Sequence[int]]) -> None:
+        """Stage each layer's blocks (from its KV group's block list: a hybrid engine cache stages into one
+        non-hybrid staging area, slot j holding every layer's j-th block)."""
+        group_of = self.engine_layout.group_of_layer()
         for layer in range(self.engine_layout.num_layers):
             for k in range(self.engine_layout.kv_size):
                 dst = plane_view(self.regions, self.layout, layer, k)
                 src = plane_view(self.engine_regions, self.engine_layout, layer, k)
-                for j, b in enumerate(engine_blocks):  # a block is one strided memcpy; indexing is far slower
+                for j, b in enumerate(engine_blocks[group_of[layer]]):  # one strided memcpy per block
                     dst[j].copy_(src[b])
 
-    def store(self, client: CacheClient, instance_id: int, key: CacheKey, block_ids: Sequence[int],
+    def store(self, client: CacheClient, instance_id: int, key: CacheKey, block_ids: Sequence[Sequence[int]],
               skip_first_n_tokens: int = 0) -> dict[str, int]:
-        """STORE ``key``'s tokens (whole blocks) from the engine's ``block_ids``, window by window."""
+        """STORE ``key``'s tokens (whole blocks) from the engine's ``block_ids`` (one list per KV group),
+        window by window."""
         bs = self.engine_layout.block_size
         n = key.num_tokens
         if n % bs:
@@ -67,7 +70,7 @@ class StagingStore:
         totals = {"stored_tokens": 0, "skipped_tokens": start}
         while start < n:
             end = min(start + window, n)
-            self._copy_blocks(block_ids[start // bs:end // bs])
+            self._copy_blocks([list(g)[start // bs:end // bs] for g in block_ids])
             ids = [0] * (start // bs) + list(range((end - start) // bs))
             window_key = CacheKey(key.request_id, key.model, key.world_size, key.rank, pack_tokens(tokens[:end]),
                                   key.salt)

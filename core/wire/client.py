@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType, chunk_major_retrieve_tail
-from kvstrata.core.wire.transport import Client
+from kvstrata.core.wire.transport import Client, RingSetting
 
 
 def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
@@ -38,8 +38,10 @@ def _int_lists(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class CacheClient:
-    def __init__(self, address: str, *, timeout: float = 30.0) -> None:
-        self.transport = Client(address, default_timeout=timeout)
+    def __init__(self, address: str, *, timeout: float = 30.0, rings: RingSetting = "all") -> None:
+        """``rings``: what the transport's :meth:`~kvstrata.core.wire.transport.Client.attach_rings` attaches
+        when a worker registers (anything but ``all`` is for A/B measurements)."""
+        self.transport = Client(address, default_timeout=timeout, rings=rings)
 
     @property
     def address(self) -> str:

@@ -51,7 +51,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import zmq
 
@@ -87,10 +87,11 @@ _MAX_PEERS = 256
 """Clients whose rings a server keeps mapped; beyond that the least recently attached is let go (its
 frames then travel over ZMQ only). ZMQ does not say when a client went away."""
 
-_RINGS_ENV = "KVSTRATA_RINGS"
-"""Engine side, for A/B runs: ``all`` (default: request and reply rings and the mailbox), ``rings`` (no
-mailbox), ``replies`` (the reply ring only) or ``0`` (nothing in shared memory)."""
-_RING_SETTINGS = ("all", "rings", "replies")
+RingSetting = Literal["all", "rings", "replies", "none"]
+"""What :meth:`Client.attach_rings` attaches: ``all`` (request and reply rings and the mailbox), ``rings``
+(no mailbox), ``replies`` (the reply ring only) or ``none`` (nothing: frames travel over ZMQ only). Anything
+but ``all`` is for A/B measurements of what each shared-memory path is worth."""
+RING_SETTINGS: tuple[str, ...] = get_args(RingSetting)
 
 
 def hands_over_turn(handler: Handler) -> Handler:
@@ -130,7 +131,33 @@ class Deferred:
 
 
 class RemoteError(RuntimeError):
-    """The server answered a request with an error."""
+    """The server answered a request with an error; ``code`` says which kind (see :data:`ERROR_CODES`)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+ERROR_CODES = {
+    "error": "the request could not be served (the message says why)",
+    "bad_request": "the request does not match the protocol's declaration",
+    "unknown_instance": "the instance is not registered on this server (it restarted, or never had it): "
+                        "register the cache again",
+}
+"""The kinds of error replies. An error reply's value is ``{"code": <one of these>, "message": <text>}``; a
+handler's exception chooses its code with an ``error_code`` attribute."""
+
+
+def error_reply_value(code: str, message: str) -> dict[str, str]:
+    return {"code": code, "message": message}
+
+
+def remote_error(value: Any) -> RemoteError:
+    """The client-side exception for an error reply's value."""
+    if isinstance(value, dict) and isinstance(value.get("message"), str):
+        code = value.get("code")
+        return RemoteError(value["message"], code if code in ERROR_CODES else "error")
+    return RemoteError(str(value))
 
 
 class RequestTimeout(TimeoutError):
@@ -324,7 +351,11 @@ class MailSlot:
 class Server:
     """Serves registered handlers on one ROUTER socket until :meth:`stop`."""
 
-    def __init__(self, address: str, *, transfer_threads: int = 4, allow_remote: bool = False) -> None:
+    def __init__(self, address: str, *, transfer_threads: int = 4, allow_remote: bool = False,
+                 defer_replies: bool = True) -> None:
+        """``defer_replies``: with busy polling on, the polling thread settles and answers a handler's
+        :class:`Deferred`; False has the handler's own thread do it (as without busy polling), for A/B
+        measurements of what deferring is worth."""
         if transfer_threads < 1:
             raise ValueError(f"transfer_threads must be at least 1, got {transfer_threads}")
         check_bind_address(address, allow_remote)
@@ -349,8 +380,7 @@ class Server:
         """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
         self._awaiting_lock = threading.Lock()
         self._watch_events = True  # off while transfers whose event failed to be watched are in flight
-        self._defer_replies = os.environ.get("KVSTRATA_DEFERRED_REPLIES", "1") != "0"
-        """KVSTRATA_DEFERRED_REPLIES=0: a handler's own thread settles its Deferred (as without busy polling)."""
+        self._defer_replies = defer_replies
         self._local = threading.local()  # .holds_turn: this thread is the leader
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         """Clients that attached rings, by ZMQ identity (see ATTACH_RINGS)."""
@@ -653,7 +683,8 @@ class Server:
             self._count(False)
             rid = codec.peek_request_id(body)
             log.warning("rejected request %s: %s", rid, exc)
-            self._send(identity, codec.encode_reply(rid if rid is not None else -1, False, str(exc)))
+            self._send(identity, codec.encode_reply(rid if rid is not None else -1, False,
+                                                    error_reply_value("bad_request", str(exc))))
             return None
         return identity, request
 
@@ -795,15 +826,21 @@ class Server:
             self._count(False)
             log.warning("%s request %d failed: %s", request.request_type.name, request.request_id, exc,
                         exc_info=log.isEnabledFor(logging.DEBUG))
-            return codec.encode_reply(request.request_id, False, f"{request.request_type.name}: {exc}")
+            return codec.encode_reply(request.request_id, False,
+                                      error_reply_value(getattr(exc, "error_code", "error"),
+                                                        f"{request.request_type.name}: {exc}"))
 
 
 class Client:
     """Sends requests from the caller's thread; replies resolve futures on one I/O thread."""
 
-    def __init__(self, address: str, *, default_timeout: float = 30.0) -> None:
+    def __init__(self, address: str, *, default_timeout: float = 30.0, rings: RingSetting = "all") -> None:
+        """``rings``: what :meth:`attach_rings` attaches (see :data:`RingSetting`)."""
+        if rings not in RING_SETTINGS:
+            raise ValueError(f"rings must be one of {RING_SETTINGS}, got {rings!r}")
         self.address = address
         self.default_timeout = default_timeout
+        self.rings = rings
         self._ctx = zmq.Context()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -909,16 +946,17 @@ class Client:
         Worth it for a client on the server's host that polls (an engine asking
         each step which transfers finished) while the server busy-polls (a GPU
         server does). Returns False, with a log line saying why, where that cannot
-        work (the server is on another host, or ``KVSTRATA_RINGS=0``); frames then
-        travel over ZMQ alone, as they always also do. ``KVSTRATA_RINGS=replies``
-        attaches the reply ring only.
+        work (the server is on another host, or this client was built with
+        ``rings="none"``); frames then travel over ZMQ alone, as they always also
+        do. ``rings="replies"`` attaches the reply ring only, ``rings="rings"`` no
+        mailbox.
         """
         if self._replies is not None:
             return True
-        setting = os.environ.get(_RINGS_ENV, "all")
-        if setting not in _RING_SETTINGS:
-            log.info("shared-memory rings off (%s=%s): frames to and from %s travel over ZMQ only", _RINGS_ENV,
-                     setting, self.address)
+        setting = self.rings
+        if setting == "none":
+            log.info("shared-memory rings off (rings=%r): frames to and from %s travel over ZMQ only", setting,
+                     self.address)
             return False
         replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES, SegmentKind.REPLY_RING)
         requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES, SegmentKind.REQUEST_RING) \
@@ -1049,4 +1087,4 @@ class Client:
         if reply.ok:
             fut.set_result(reply.value)
         else:
-            fut.set_exception(RemoteError(str(reply.value)))
+            fut.set_exception(remote_error(reply.value))

@@ -8,18 +8,16 @@ this package beyond its entry point.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from kvstrata.core.adapter_api.defaults import (  # noqa: F401  (the core's release/wait/failure policy, as hooks)
-    kvstrata_poll_released,
-    kvstrata_take_failed,
-    kvstrata_wait_for_layer,
-)
-from kvstrata.core.wire.client import build_retrieve_payload
-from kvstrata.core.adapter_api.hookspecs import AdapterInfo, HarnessSpec, NotSupported, RetrieveRequest, hookimpl
+from kvstrata.core.adapter_api.hookspecs import hookimpl
+from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
+from kvstrata.core.testing.runtime_driver import RuntimeDriver
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
 from kvstrata.core.shm import Segment
 from kvstrata.core.testing.reference_engine import ModelShape, synthetic_kv
@@ -47,44 +45,32 @@ def pool_bytes(shape: ModelShape, num_blocks: int, block_size: int) -> int:
 @hookimpl
 def kvstrata_adapter_info() -> AdapterInfo:
     return AdapterInfo(name=NAME, engine="block-major example engine", engine_package=None,
-                       install_hint="pip install ./examples/third_party_adapter")
+                       install_hint="pip install ./examples/third_party_adapter", placements=("server",))
+
+
+def pool_layout(pool: BlockMajorPool) -> PagedKVLayout:
+    s = pool.shape
+    return trtllm_pool_layout(num_layers=s.num_layers, num_blocks=pool.num_blocks, block_size=pool.block_size,
+                              num_heads=s.num_heads, head_size=s.head_size, dtype=s.dtype,
+                              region=Region("shm", pool.size, pool.segment_name), kv_size=s.kv_size)
 
 
 @hookimpl
-def kvstrata_describe_kv_layout(kv_caches: BlockMajorPool, placement: str) -> PagedKVLayout:
-    s = kv_caches.shape
-    return trtllm_pool_layout(num_layers=s.num_layers, num_blocks=kv_caches.num_blocks,
-                              block_size=kv_caches.block_size, num_heads=s.num_heads, head_size=s.head_size,
-                              dtype=s.dtype, region=Region("shm", kv_caches.size, kv_caches.segment_name),
-                              kv_size=s.kv_size)
+def kvstrata_describe_kv_cache(kv_caches: BlockMajorPool, placement: str) -> KVCacheDescription:
+    if placement != "server":
+        raise NotSupported("the block-major example is written by the server only")
+    return KVCacheDescription(pool_layout(kv_caches), [])
 
 
 @hookimpl
-def kvstrata_build_retrieve_payload(request: RetrieveRequest) -> list[Any]:
-    return build_retrieve_payload(request.key, request.instance_id, request.block_ids,
-                                  skip_first_n_tokens=request.skip_first_n_tokens, event_handle=request.event_handle,
-                                  arrival_board=request.arrival_board,
-                                  layer_event_handles=request.layer_event_handles,
-                                  layers_per_stage=request.layers_per_stage)
-
-
-
-
-
-
-
-
-@hookimpl
-def kvstrata_conformance_harness(spec: HarnessSpec) -> "BlockMajorEngine":
+def kvstrata_conformance_driver(spec: HarnessSpec) -> "BlockMajorDriver":
     if spec.kv_groups > 1:
         raise NotSupported("the block-major engine has one block table for all layers (no hybrid models)")
-    return BlockMajorEngine(spec)
+    return BlockMajorDriver(spec)
 
 
 class BlockMajorEngine:
-    """The engine side: allocates blocks from the pool, "prefills" synthetic KV, reads layers back."""
-
-    placement = "server"
+    """The engine: allocates blocks from the pool, "prefills" synthetic KV, reads layers back."""
 
     def __init__(self, spec: HarnessSpec) -> None:
         self.spec = spec
@@ -94,7 +80,7 @@ class BlockMajorEngine:
         self._segment = Segment.create("blockmajor", size)
         self._regions = [torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size)]
         self.kv_caches = BlockMajorPool(self._segment.name, size, spec.num_blocks, spec.block_size, shape)
-        self._layout = kvstrata_describe_kv_layout(self.kv_caches, self.placement)
+        self._layout = pool_layout(self.kv_caches)
         self._free = list(range(spec.num_blocks))
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
@@ -134,3 +120,15 @@ class BlockMajorEngine:
         self._regions.clear()
         self.kv_caches = None
         self._segment.destroy()
+
+
+class BlockMajorDriver(RuntimeDriver, BlockMajorEngine):
+    """The engine side the conformance suite drives: this engine calls kvstrata's runtimes directly."""
+
+    def __init__(self, spec: HarnessSpec) -> None:
+        BlockMajorEngine.__init__(self, spec)
+        RuntimeDriver.__init__(self, spec, load_adapter(sys.modules[__name__]))
+
+    def close(self) -> None:
+        RuntimeDriver.close(self)
+        BlockMajorEngine.close(self)

@@ -1,0 +1,78 @@
+"""What the scheduler side hands the worker side, and the keys both sides build from it.
+
+A :class:`LoadSpec` or :class:`StoreSpec` crosses from the engine's scheduler
+process to its workers inside the engine's own per-step metadata (vLLM pickles
+its connector metadata between its processes), so both are plain frozen values.
+
+Every kvstrata key belongs to one tensor-parallel shard: the model, the world
+size and the rank are hashed into each chunk's key, so each rank stores and
+loads only its own heads. A request's lookup locks on the server are held by a
+*lock owner*; with more than one rank each rank's key has its own owner, so one
+rank freeing its locks after its copy never unpins a chunk another rank is
+still copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvstrata.core.store.keys import CacheKey, pack_tokens
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """An engine request as the scheduler side sees it."""
+
+    request_id: str
+    """kvstrata's id for the request (the adapter's request-id hook maps the engine's id to it)."""
+    token_ids: Sequence[int]
+    salt: str | None = None
+    """Requests that must not share KV (a cache salt, a LoRA adapter) carry different salts."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load ``tokens``' cached KV into ``block_ids``, from token ``skip`` on, in slices of ``layers_per_stage``."""
+
+    request_id: str
+    engine_request_id: Any
+    """The engine's own id, which the worker side hands back when the request is released."""
+    tokens: bytes
+    salt: str | None
+    block_ids: tuple[tuple[int, ...], ...]
+    skip: int
+    layers_per_stage: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 8
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Store ``tokens``' KV (whole blocks, from token ``skip`` on) out of ``block_ids`` (one tuple per KV group)."""
+
+    request_id: str
+    tokens: bytes
+    salt: str | None
+    block_ids: tuple[tuple[int, ...], ...]
+    skip: int
+
+
+def lock_owner(request_id: str, rank: int, world_size: int) -> str:
+    """The id a rank's key carries on the server (its lookup locks' owner): the request id itself on one rank."""
+    return request_id if world_size == 1 else f"{request_id}@tp{rank}/{world_size}"
+
+
+def shard_key(request_id: str, model: str, tokens: bytes, salt: str | None, *, rank: int,
+              world_size: int) -> CacheKey:
+    """The key of one rank's shard of a prompt."""
+    return CacheKey(lock_owner(request_id, rank, world_size), model, world_size, rank, tokens, salt)
+
+
+def shard_keys(request: PromptRequest, num_tokens: int, model: str, world_size: int) -> list[CacheKey]:
+    """Every rank's key for the first ``num_tokens`` tokens of ``request`` (rank order)."""
+    tokens = pack_tokens(list(request.token_ids[:num_tokens]))
+    return [shard_key(request.request_id, model, tokens, request.salt, rank=r, world_size=world_size)
+            for r in range(world_size)]

@@ -1,0 +1,238 @@
+"""The scheduler side of an engine: what kvstrata can load for a request, what to store, when blocks may go.
+
+One :class:`SchedulerRuntime` per engine, called from the engine's scheduling
+thread, so nothing here blocks: LOOKUP goes out asynchronously and the engine
+asks again next step (:meth:`lookup` returns ``None``) until every rank's reply
+is in, bounded by ``lookup_timeout``; a server that does not answer in time is
+left alone for five timeouts (the engine computes meanwhile), and that is
+logged once until it answers again.
+
+With tensor parallelism each rank stores and loads its own shard under its own
+key; a hit is what every rank's shard has (the smallest of the ranks' hits).
+
+Lookup locks are released on every path: a hit the engine will not use, a
+request that finishes before its load was planned, a lookup that timed out
+(END_SESSION). Once a load is planned, the worker side owns its locks (the
+RETRIEVE, or FREE_LOOKUP_LOCKS after a worker-placement copy), so a chunk is
+never unpinned under a copy in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from kvstrata.core.adapter_api.plugins import Adapter
+from kvstrata.core.engine.requests import LoadSpec, PromptRequest, StoreSpec, lock_owner, shard_keys
+from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.store.keys import pack_tokens
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
+
+log = logging.getLogger(__name__)
+
+BACK_OFF_TIMEOUTS = 5
+"""After a LOOKUP timed out, new requests skip kvstrata for this many lookup timeouts."""
+
+
+@dataclass
+class _Pending:
+    futures: list[Future]
+    started: float
+
+
+@dataclass
+class _Hit:
+    request: PromptRequest
+    engine_request_id: Any
+    tokens: int
+    local: int
+    """Tokens the engine had computed itself (its own prefix cache) when the hit was reported."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """A request the engine scheduled this step, and how far its prompt will be computed by the end of it."""
+
+    engine_request_id: Any
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """What the worker side does this step: loads to start, stores to make, preempted requests to settle."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    preempted: list[Any] = field(default_factory=list)
+
+
+class SchedulerRuntime:
+    def __init__(self, adapter: Adapter, settings: RuntimeSettings, *, model: str, block_size: int,
+                 world_size: int = 1) -> None:
+        self.adapter = adapter
+        self.settings = settings
+        self.model = model
+        self.block_size = block_size
+        self.world_size = world_size
+        self.client = CacheClient(settings.server_address, timeout=settings.lookup_timeout)
+        self.chunk_size: int | None = None
+        self._requests: dict[str, tuple[Any, PromptRequest]] = {}
+        self._lookups: dict[str, _Pending] = {}
+        self._hits: dict[str, _Hit] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._loads_planned: set[str] = set()
+        self._released: set[str] = set()
+        self._stored: set[str] = set()
+        self._unreachable_logged = False
+        self._down_until = 0.0
+
+    # --- admission ---------------------------------------------------------------------
+
+    def lookup(self, engine_request_id: Any, token_ids: Sequence[int], num_computed_tokens: int,
+               salt: str | None = None) -> int | None:
+        """Tokens kvstrata can load for this request beyond the ``num_computed_tokens`` the engine has.
+
+        ``None``: ask again next step (the LOOKUP is out). ``0``: nothing to load (miss, no gain, server
+        down). A positive count is block-aligned and what every rank's shard holds.
+        """
+        rid = self.adapter.request_id(engine_request_id)
+        request = PromptRequest(rid, token_ids, salt)
+        self._requests[rid] = (engine_request_id, request)
+        bs = self.block_size
+        loadable = self.adapter.loadable_tokens(len(token_ids), bs)
+        if loadable <= num_computed_tokens:
+            return 0
+        pending = self._lookups.get(rid)
+        if pending is None:
+            if time.monotonic() < self._down_until:
+                return 0  # the server just failed to answer: compute, and try again after the back-off
+            keys = shard_keys(request, loadable, self.model, self.world_size)
+            futures = [self.client.transport.submit(RequestType.LOOKUP, [k.to_wire()]) for k in keys]
+            self._lookups[rid] = _Pending(futures, time.monotonic())
+            return None
+        if not all(f.done() for f in pending.futures):
+            if time.monotonic() - pending.started < self.settings.lookup_timeout:
+                return None
+            self._lookups.pop(rid)
+            self._end_session(rid)
+            self._down_until = time.monotonic() + self.settings.lookup_timeout * BACK_OFF_TIMEOUTS
+            if not self._unreachable_logged:
+                self._unreachable_logged = True
+                log.warning("kvstrata server %s did not answer LOOKUP within %.1fs; computing prompts instead "
+                            "(logged once until it answers again)", self.settings.server_address,
+                            self.settings.lookup_timeout)
+            return 0
+        self._lookups.pop(rid)
+        try:
+            replies = [f.result() for f in pending.futures]
+        except Exception as exc:
+            log.warning("LOOKUP for %s failed (%s); computing the prompt instead", rid, exc)
+            self._end_session(rid)
+            return 0
+        self._unreachable_logged = False
+        self.chunk_size = int(replies[0]["chunk_size"])
+        hit = (min(min(int(r["hit_tokens"]) for r in replies), loadable) // bs) * bs
+        external = hit - num_computed_tokens
+        if external <= 0:
+            self._free_locks(rid)
+            return 0
+        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens)
+        log.debug("request %s: %d tokens from kvstrata after %d local", rid, external, num_computed_tokens)
+        return external
+
+    def allocated(self, engine_request_id: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """The engine allocated blocks for an admitted request: plan its load if kvstrata reported a hit."""
+        rid = self.adapter.request_id(engine_request_id)
+        hit = self._hits.get(rid)
+        if num_external_tokens <= 0 or hit is None or rid in self._loads_planned:
+            return
+        self._pending_loads.append(LoadSpec(
+            rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
+            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_stage))
+        self._loads_planned.add(rid)
+
+    # --- every step --------------------------------------------------------------------
+
+    def plan_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[Any],
+                  block_ids_of: Callable[[Any], Sequence[Sequence[int]]]) -> StepPlan:
+        """This step's plan for the worker side. ``block_ids_of(engine id)``: the request's blocks, one list per
+        KV group, in order (read only for prompts whose last whole block is computed by the end of this step,
+        to store them)."""
+        loads, self._pending_loads = self._pending_loads, []
+        stores = self._stores_for(scheduled, block_ids_of) if self.settings.store else []
+        settle = [r for r in preempted if self.adapter.request_id(r) in self._loads_planned]
+        return StepPlan(loads, stores, settle)
+
+    def _stores_for(self, scheduled: Iterable[ScheduledRequest],
+                    block_ids_of: Callable[[Any], Sequence[Sequence[int]]]) -> list[StoreSpec]:
+        out = []
+        bs = self.block_size
+        for s in scheduled:
+            rid = self.adapter.request_id(s.engine_request_id)
+            entry = self._requests.get(rid)
+            if entry is None or rid in self._stored:
+                continue
+            request = entry[1]
+            n_prompt = len(request.token_ids)
+            if s.num_computed_tokens + s.num_scheduled_tokens < n_prompt:
+                continue
+            self._stored.add(rid)
+            n = (n_prompt // bs) * bs
+            hit = self._hits[rid].tokens if rid in self._hits else 0
+            chunk = self.chunk_size or bs
+            skip = (hit // chunk) * chunk  # what the store already holds: only the rest is sent
+            if n <= skip:
+                continue
+            blocks = tuple(tuple(int(b) for b in list(g)[: n // bs]) for g in block_ids_of(s.engine_request_id))
+            out.append(StoreSpec(rid, pack_tokens(list(request.token_ids[:n])), request.salt, blocks, skip))
+        return out
+
+    def released(self, engine_request_ids: Iterable[Any]) -> None:
+        """The worker side handed these requests back to the engine (their first slice landed)."""
+        self._released.update(self.adapter.request_id(r) for r in engine_request_ids)
+
+    def finished(self, engine_request_id: Any) -> bool:
+        """The request finished or was aborted, before the engine frees its blocks.
+
+        True: keep the blocks until the worker side reports them freeable (a released load may still be
+        writing them). Locks of a load never planned are released here; a planned load's are the worker
+        side's to release, or a chunk could be evicted under a copy in flight.
+        """
+        rid = self.adapter.request_id(engine_request_id)
+        keep = rid in self._loads_planned and rid in self._released
+        if rid not in self._loads_planned:
+            self._end_session(rid)
+        for d in (self._hits, self._requests, self._lookups):
+            d.pop(rid, None)
+        self._loads_planned.discard(rid)
+        self._released.discard(rid)
+        self._stored.discard(rid)
+        return keep
+
+    # --- locks -------------------------------------------------------------------------
+
+    def _owners(self, rid: str) -> list[str]:
+        return [lock_owner(rid, r, self.world_size) for r in range(self.world_size)]
+
+    def _free_locks(self, rid: str) -> None:
+        for owner in self._owners(rid):
+            self._send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
+
+    def _end_session(self, rid: str) -> None:
+        for owner in self._owners(rid):
+            self._send_oneway(RequestType.END_SESSION, [owner])
+
+    def _send_oneway(self, rt: RequestType, payload: list[Any]) -> None:
+        """Fire and forget: a lost lock release costs an eviction delay, never correctness."""
+        try:
+            self.client.transport.send_oneway(rt, payload)
+        except Exception as exc:  # only a closed client raises here
+            log.debug("%s for %s not sent: %s", rt.name, payload, exc)
+
+    def close(self) -> None:
+        self.client.close()

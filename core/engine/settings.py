@@ -1,0 +1,127 @@
+"""The engine runtime's settings, read the same way for every engine."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+
+log = logging.getLogger(__name__)
+
+MAX_LAYERS_PER_STAGE = 1 << 16
+
+
+def resolve_layers_per_stage(value: Any, *, setting: str = "layers_per_stage") -> int:
+    """The slice width a deployer asked for: 0 = off (chunk-major), N > 0 = N layers per slice.
+
+    Accepts what a deployer plausibly writes in JSON or a CLI: an int, a bool
+    (true = one layer per slice) or a decimal string ("8", " 2 ", "true",
+    "false"). Anything else (negative, float, "eight", a list) logs a warning
+    and reads as off: a typo must not stop an engine from starting.
+
+    This one value drives both the width sent with every RETRIEVE and the CUDA
+    graph declaration, so the two can never disagree.
+    """
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return 1 if value else 0
+    if isinstance(value, int):
+        width = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "yes", "on"):
+            return 1
+        if text in ("false", "no", "off", ""):
+            return 0
+        if not text.isdigit():
+            log.warning("%s=%r is not an int, bool or decimal string; layer-major overlap stays off", setting, value)
+            return 0
+        width = int(text)
+    else:
+        log.warning("%s=%r (%s) is not an int, bool or decimal string; layer-major overlap stays off",
+                    setting, value, type(value).__name__)
+        return 0
+    if width < 0 or width > MAX_LAYERS_PER_STAGE:
+        log.warning("%s=%r is out of range [0, %d]; layer-major overlap stays off", setting, value,
+                    MAX_LAYERS_PER_STAGE)
+        return 0
+    return width
+
+
+PLACEMENT_AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What a deployer sets for an engine's kvstrata runtime, read the same way for every engine.
+
+    Engines hand these over in their own config (vLLM's ``kv_connector_extra_config``, SGLang's
+    ``linker_extra_config``); :meth:`from_mapping` reads any of them and names the engine's setting
+    in every error, so a typo is reported where the deployer wrote it.
+    """
+
+    server_address: str
+    layers_per_stage: int = 0
+    """The slice width: 0 = chunk-major (a request goes back when its transfer completes), N > 0 = N
+    layers per slice (a request goes back when its first slice has landed). Off unless set, so
+    turning kvstrata on never changes an engine's CUDA graph mode by itself."""
+    placement: str = PLACEMENT_AUTO
+    """Who runs the copies: ``server`` (the server writes the engine's cache: shared memory or CUDA
+    IPC), ``worker`` (this process copies from the server's L1 pool, mapped read-only) or ``auto``:
+    server placement where the cache can be opened by the server, worker placement otherwise."""
+    model_name: str | None = None
+    lookup_timeout: float = 2.0
+    layer_wait_timeout: float = 10.0
+    retrieve_timeout: float = 60.0
+    store: bool = True
+    pool_slots: int = 16
+    instance_id: int = 0
+    """The cache's id on the server; tensor-parallel rank r registers ``instance_id + r``."""
+    record_path: str | None = None
+    """A JSON-lines record of loads, releases, per-layer waits, failures and stores (operators, tests)."""
+
+    FIELDS = ("server_address", "layers_per_stage", "placement", "model_name", "lookup_timeout",
+              "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path")
+    ALIASES = {"layerwise_overlap": "layers_per_stage"}
+
+    @classmethod
+    def from_mapping(cls, extra: Mapping[str, Any] | None, *, where: str = "extra config") -> "RuntimeSettings":
+        """Settings from an engine's JSON config; an unknown key or a bad value raises ValueError naming it."""
+        values = dict(extra or {})
+        for alias, name in cls.ALIASES.items():
+            if alias in values:
+                if name in values:
+                    raise ValueError(f"{where}: give {name!r} or its alias {alias!r}, not both")
+                values[name] = values.pop(alias)
+        unknown = sorted(set(values) - set(cls.FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown kvstrata setting(s) {unknown}; known: {', '.join(cls.FIELDS)}")
+        if not values.get("server_address"):
+            from kvstrata.core.wire.transport import default_address
+
+            values["server_address"] = default_address()
+        values["layers_per_stage"] = resolve_layers_per_stage(values.get("layers_per_stage"),
+                                                              setting=f"{where}.layers_per_stage")
+        placement = values.get("placement", PLACEMENT_AUTO)
+        if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_WORKER):
+            raise ValueError(f"{where}.placement must be {PLACEMENT_AUTO!r}, {PLACEMENT_SERVER!r} or "
+                             f"{PLACEMENT_WORKER!r}, got {placement!r}")
+        try:
+            for name in ("lookup_timeout", "layer_wait_timeout", "retrieve_timeout"):
+                if name in values:
+                    values[name] = float(values[name])
+                    if values[name] <= 0:
+                        raise ValueError(f"must be positive, got {values[name]}")
+            for name in ("pool_slots", "instance_id"):
+                if name in values:
+                    if isinstance(values[name], bool) or int(values[name]) != values[name]:
+                        raise ValueError(f"must be an integer, got {values[name]!r}")
+                    values[name] = int(values[name])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}.{name}: {exc}") from None
+        if "store" in values and not isinstance(values["store"], bool):
+            raise ValueError(f"{where}.store must be true or false, got {values['store']!r}")
+        return cls(**values)

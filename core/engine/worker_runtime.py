@@ -1,0 +1,322 @@
+"""The worker side of an engine: its KV cache, the loads into it, the stores out of it.
+
+One :class:`WorkerRuntime` per engine worker process (one per tensor-parallel
+rank), called from the engine's model-runner thread:
+
+* :meth:`register` once, when the engine has allocated its cache;
+* :meth:`start_loads` every step, with the loads the scheduler side planned;
+* :meth:`wait_for_layer` right before the engine's attention reads a layer;
+* :meth:`poll` every step after the forward: which requests go back to the
+  engine's scheduler now (first slice landed), and which finished requests'
+  blocks may now be freed (their transfers stopped writing them);
+* :meth:`take_load_failures` every step: failed loads, already turned into
+  what the engine's failure path takes (``kvstrata_report_load_failure``);
+* :meth:`store` after a forward that finished prompts.
+
+Every wait is bounded; a transfer that fails turns into a failure report the
+engine recomputes or fails by, never into a hang. If the server is down at
+start-up or goes away, the engine keeps serving without kvstrata and the
+runtime reconnects (and registers again) at most every
+:data:`RECONNECT_INTERVAL` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from kvstrata.core.adapter_api.plugins import Adapter
+from kvstrata.core.adapter_api.types import KVCacheDescription, NotSupported
+from kvstrata.core.arrival.events import EventBackend
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.record import EventRecord
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
+from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.staging import StagingStore
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.wire.transport import RemoteError
+
+log = logging.getLogger(__name__)
+
+RECONNECT_INTERVAL = 10.0
+
+
+class WorkerRuntime:
+    def __init__(self, adapter: Adapter, settings: RuntimeSettings, *, model: str, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world size {world_size})")
+        self.adapter = adapter
+        self.settings = settings
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+        self.instance_id = settings.instance_id + rank
+        self.client = CacheClient(settings.server_address, timeout=settings.retrieve_timeout)
+        self.record = EventRecord(settings.record_path)
+        self.transfers: LayerwiseWorker | None = None
+        """The transfer machinery, once registered with the server (None while it is unreachable)."""
+        self.description: KVCacheDescription | None = None
+        self.placement: str | None = None
+        self.event_backend: EventBackend | None = None
+        self.staging: StagingStore | None = None
+        self._engine_ids: dict[str, Any] = {}
+        self._released: set[str] = set()
+        self._finished_unreleased: set[str] = set()
+        self._unloadable: dict[str, tuple[list[list[int]], str]] = {}
+        self._failure_reports: list[Any] = []
+        self._next_connect = 0.0
+
+    # --- registration ------------------------------------------------------------------
+
+    def register(self, kv_caches: Any) -> None:
+        """Describe the engine's cache (the adapter's hooks), then connect if the server answers."""
+        self.placement, self.description = self._describe(kv_caches)
+        self.event_backend = self.adapter.event_backend(self.description.device)
+        if not self._connect():
+            log.warning("kvstrata server %s is not reachable; the engine computes every prompt until it is "
+                        "(retrying every %.0fs)", self.settings.server_address, RECONNECT_INTERVAL)
+
+    def _describe(self, kv_caches: Any) -> tuple[str, KVCacheDescription]:
+        wanted = self.settings.placement
+        supported = self.adapter.info.placements
+        if wanted != PLACEMENT_AUTO:
+            if wanted not in supported:
+                raise ValueError(f"placement {wanted!r}: adapter {self.adapter.name!r} supports {supported}")
+            return wanted, self.adapter.describe_kv_cache(kv_caches, wanted)
+        reasons = []
+        for placement in (PLACEMENT_SERVER, PLACEMENT_WORKER):
+            if placement not in supported:
+                continue
+            try:
+                described = self.adapter.describe_kv_cache(kv_caches, placement)
+            except NotSupported as exc:
+                reasons.append(f"{placement}: {exc}")
+                continue
+            if reasons:
+                log.info("kvstrata placement %s (placement auto; %s)", placement, "; ".join(reasons))
+            return placement, described
+        raise NotSupported(f"adapter {self.adapter.name!r} cannot describe this cache for any placement: "
+                           + "; ".join(reasons))
+
+    def _connect(self) -> bool:
+        """Build the transfer machinery and register with the server; False (retry later) if it is down."""
+        if self.transfers is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        self._next_connect = now + RECONNECT_INTERVAL
+        s, d = self.settings, self.description
+        try:
+            registration = None
+            if self.placement == PLACEMENT_WORKER:
+                info = self.client.transport.call(RequestType.SERVER_INFO, [], timeout=s.lookup_timeout)
+                self.staging = self.staging or StagingStore(d.layout, d.local_regions,
+                                                            chunk_size=int(info["chunk_size"]))
+                registration = self.staging.layout
+            transfers = LayerwiseWorker(
+                self.client, self.instance_id, d.layout, placement=self.placement, event_backend=self.event_backend,
+                local_regions=list(d.local_regions) if self.placement == PLACEMENT_WORKER else None,
+                registration_layout=registration, pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
+                retrieve_timeout=s.retrieve_timeout)
+            transfers.register()
+        except Exception as exc:
+            log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)
+            return False
+        self.transfers = transfers
+        layout = d.layout
+        log.info("registered %d layers (%s, %d blocks of %d tokens, rank %d of %d) with kvstrata at %s as "
+                 "instance %d, %s placement", layout.num_layers, layout.format, layout.num_blocks, layout.block_size,
+                 self.rank, self.world_size, s.server_address, self.instance_id, self.placement)
+        self.record.write("registered", instance_id=self.instance_id, placement=self.placement, rank=self.rank)
+        return True
+
+    def _register_again(self, why: str) -> bool:
+        log.warning("kvstrata server %s no longer knows instance %d (%s); registering again",
+                    self.settings.server_address, self.instance_id, why)
+        try:
+            self.transfers.register()
+        except Exception as exc:
+            log.warning("registering again with kvstrata at %s failed: %s", self.settings.server_address, exc)
+            return False
+        self.record.write("registered", instance_id=self.instance_id, placement=self.placement, rank=self.rank)
+        return True
+
+    @property
+    def layout(self) -> Any:
+        return self.description.layout if self.description else None
+
+    @property
+    def connected(self) -> bool:
+        return self.transfers is not None
+
+    # --- loads -------------------------------------------------------------------------
+
+    def start_loads(self, loads: Iterable[LoadSpec]) -> None:
+        """Start this step's loads (the scheduler side planned them); returns at once."""
+        loads = list(loads)
+        for spec in loads:
+            self._engine_ids[spec.request_id] = spec.engine_request_id
+        if loads and not self._connect():
+            for spec in loads:  # the server went away after the lookup: the engine recomputes these
+                self._unloadable[spec.request_id] = ([list(g) for g in spec.block_ids], "server not reachable")
+            return
+        for spec in loads:
+            key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
+                            world_size=self.world_size)
+            self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
+                                           layers_per_stage=spec.layers_per_stage)
+            self.record.write("load_started", request_id=spec.request_id, rank=self.rank, tokens=spec.num_tokens,
+                              skip=spec.skip, layers_per_stage=spec.layers_per_stage)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Before the engine reads ``layer``: every released, in-flight load must have landed it (bounded)."""
+        t = self.transfers
+        if t is None:
+            return
+        if not self.record.enabled:
+            t.wait_for_layer(layer)
+            return
+        in_flight = t.draining()
+        t.wait_for_layer(layer)
+        self.record.write("wait_for_layer_load", layer=layer, in_flight=sorted(in_flight))
+
+    def settle(self, request_ids: Iterable[Any]) -> None:
+        """Block (bounded) until these requests' transfers stopped writing: their blocks are about to be reused."""
+        if self.transfers is not None:
+            self.transfers.wait_settled({self.adapter.request_id(r) for r in request_ids})
+
+    def poll(self, finished: Iterable[Any] = ()) -> tuple[set[Any], set[Any]]:
+        """One engine step: (requests whose blocks may be freed now, requests that go back to the scheduler now).
+
+        ``finished`` are the requests the engine finished or aborted since the last poll. A released request
+        that finishes while its transfer still writes is returned in the first set once it settled; one that
+        finishes before its release goes back (second set) only once settled, never at its first slice.
+        """
+        unloadable = set(self._unloadable)
+        self._collect_failures()
+        t = self.transfers
+        if t is None:
+            return set(), {self._engine(r) for r in unloadable}
+        released = set(t.get_finished()) | unloadable
+        for rid in released:
+            rec = t.records.get(rid)
+            self.record.write("released", request_id=rid, rank=self.rank,
+                              released_before_complete=bool(rec and rec.released_before_complete),
+                              failure=rec.failure if rec else None)
+        self._released |= released - self._finished_unreleased
+        self._finished_unreleased -= released
+        freeable: set[str] = set()
+        for engine_id in finished:
+            rid = self.adapter.request_id(engine_id)
+            state = t.finish_request(rid)
+            if state == "recving":
+                self._finished_unreleased.add(rid)  # the engine frees its blocks when it gets it back
+            if rid in self._released and state is None:
+                freeable.add(rid)
+                self._released.discard(rid)
+        drained = t.take_drained()
+        freeable |= drained
+        self._released -= drained
+        self._collect_failures()
+        self._record_settled()
+        out = ({self._engine(r) for r in freeable}, {self._engine(r) for r in released})
+        for rid in freeable:
+            self._engine_ids.pop(rid, None)
+        return out
+
+    def _engine(self, rid: str) -> Any:
+        return self._engine_ids.get(rid, rid)
+
+    def _collect_failures(self) -> None:
+        failed = dict(self._unloadable)
+        self._unloadable.clear()
+        lost = False
+        if self.transfers is not None:
+            failed.update(self.transfers.take_failed())
+            lost = self.transfers.take_registration_lost()
+        for rid, (blocks, reason) in failed.items():
+            self.record.write("load_failed", request_id=rid, rank=self.rank, reason=reason)
+            self._failure_reports.append(self.adapter.report_load_failure(self._engine(rid), blocks, reason))
+        if lost:
+            self._register_again("a load was refused for an unknown instance")
+
+    def _record_settled(self) -> None:
+        t = self.transfers
+        for rid, rec in list(t.records.items()):
+            if rec.completed_at is None and rec.failure is None:
+                continue
+            self.record.write("settled", request_id=rid, rank=self.rank, layer_waits=rec.layer_waits,
+                              failure=rec.failure, fallback=rec.fallback,
+                              released_before_complete=rec.released_before_complete,
+                              release_ms=None if rec.released_at is None
+                              else (rec.released_at - rec.submitted_at) * 1e3,
+                              complete_ms=None if rec.completed_at is None
+                              else (rec.completed_at - rec.submitted_at) * 1e3)
+            del t.records[rid]
+
+    def take_load_failures(self) -> list[Any]:
+        """Failed loads since the last call, as ``kvstrata_report_load_failure`` turned them."""
+        self._collect_failures()
+        out, self._failure_reports = self._failure_reports, []
+        return out
+
+    def in_flight(self) -> set[str]:
+        return self.transfers.in_flight() if self.transfers is not None else set()
+
+    # --- stores ------------------------------------------------------------------------
+
+    def store(self, stores: Iterable[StoreSpec]) -> None:
+        """STORE prompts the engine just computed. A failed store is logged; serving goes on."""
+        stores = list(stores)
+        if not stores or not self._connect():
+            return
+        self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
+        for spec in stores:
+            try:
+                reply = self._store_one(spec)
+            except RemoteError as exc:
+                if exc.code != "unknown_instance" or not self._register_again("a STORE was refused"):
+                    self._store_failed(spec, exc)
+                    continue
+                try:  # a STORE is idempotent: send it again to the server that now knows the cache
+                    reply = self._store_one(spec)
+                except Exception as again:
+                    self._store_failed(spec, again)
+                    continue
+            except Exception as exc:
+                self._store_failed(spec, exc)
+                continue
+            self.record.write("stored", request_id=spec.request_id, rank=self.rank, **reply)
+
+    def _store_one(self, spec: StoreSpec) -> dict[str, Any]:
+        key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
+                        world_size=self.world_size)
+        if self.placement == PLACEMENT_WORKER:
+            return self.staging.store(self.client, self.instance_id, key, spec.block_ids,
+                                      skip_first_n_tokens=spec.skip)
+        return self.client.store(key, self.instance_id, [list(g) for g in spec.block_ids],
+                                 skip_first_n_tokens=spec.skip)
+
+    def _store_failed(self, spec: StoreSpec, exc: BaseException) -> None:
+        log.warning("STORE of %s failed (%s); the prompt stays uncached", spec.request_id, exc)
+        self.record.write("store_failed", request_id=spec.request_id, rank=self.rank, reason=str(exc))
+
+    def close(self) -> None:
+        """At engine shutdown: let loads in flight settle (bounded), then unregister the cache."""
+        if self.transfers is not None:
+            self.transfers.wait_all(timeout=self.settings.layer_wait_timeout)
+            self.transfers.close()
+            try:
+                self.client.transport.call(RequestType.UNREGISTER_KV_CACHE, [self.instance_id],
+                                           timeout=self.settings.lookup_timeout)
+            except Exception as exc:  # the server is gone or restarted: nothing of ours is left to free
+                log.debug("unregistering instance %d at shutdown: %s", self.instance_id, exc)
+        if self.staging is not None:
+            self.staging.close()
+        self.client.close()
+        self.record.close()
