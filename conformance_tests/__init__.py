@@ -8,9 +8,11 @@ Run it against one adapter::
 
 NAME is an entry-point name in the ``kvstrata.adapters`` group (an installed
 adapter, yours or ours) or a module path ``pkg.module[:attribute]``. Each
-test drives the adapter only through its hooks (:mod:`kvstrata.core.adapter_api.hookspecs`)
-against a real ``kvstrata serve`` process, with a recording proxy on the
-socket in between, and a failure names the rule the adapter broke
+test drives the adapter's engine-facing classes through its conformance
+driver (``kvstrata_conformance_driver``; for vLLM the connector itself), in
+every placement the adapter declares, against a real ``kvstrata serve``
+process with a recording proxy on the socket in between, and a failure names
+the rule the adapter broke
 (``CONFORMANCE RULE <id> BROKEN: ...``; the rules are listed in
 :mod:`kvstrata.conformance_tests.rules`).
 """

@@ -13,17 +13,22 @@ import pytest
 
 RULES: dict[str, str] = {
     "hooks": "the adapter implements every required hook, each marked @hookimpl with the declared signature, "
-             "and its conformance engine has the declared methods",
-    "kv-layout": "kvstrata_describe_kv_layout describes the engine's real cache, which the server accepts",
+             "its conformance driver has the declared methods with the declared arguments in order, and its "
+             "engine side loads what the server holds of a prompt's loadable tokens",
+    "kv-layout": "kvstrata_describe_kv_cache describes the engine's real cache, and the engine side registers it "
+                 "with the server in the placement it was deployed with",
     "retrieve-payload": "every RETRIEVE on the wire has exactly the declared 8 items with the declared types; "
                         "chunk-major sends (None, None, 0) as the tail, layer-major the arrival board and the "
-                        "requested width",
+                        "deployed width (worker placement: the tail is (None, None, 0) and the runtime records "
+                        "the deployed width)",
     "early-release": "a layer-major request is released after its first slice, before its transfer completes, "
                      "and exactly once",
-    "layer-wait": "wait_for_layer blocks until the layer has landed, and every layer read after it is byte-correct",
-    "fallback": "a retrieve that cannot run layer-major degrades to chunk-major and logs the reason once",
+    "layer-wait": "the engine side's layer wait blocks until the layer has landed, and every layer read after it "
+                  "is byte-correct",
+    "fallback": "a retrieve that cannot run layer-major degrades to chunk-major, the runtime's record says why, "
+                "and a WARNING names that reason once",
     "failure-reported": "a server that dies or stalls mid-transfer, or a pool that runs dry, never hangs the "
-                        "engine: waits are bounded, failures are reported through kvstrata_take_failed, and the "
+                        "engine: waits are bounded, the engine is told which blocks to recompute, and the "
                         "next retrieve works",
 }
 

@@ -2,7 +2,7 @@
 
 Every case ends the same way a deployment needs it to: the engine's per-layer
 wait returns within its bound, the request comes back to the engine, its
-blocks are reported through ``kvstrata_take_failed`` (so the engine recomputes
+blocks are reported to it through the adapter (so the engine recomputes
 them instead of reading KV that never arrived), a log line names the request,
 and the next retrieve works.
 """

@@ -34,7 +34,7 @@ from kvstrata.core.engine.record import EventRecord
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
-from kvstrata.core.transfer.staging import StagingStore
+from kvstrata.core.engine.staging import StagingStore
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
