@@ -183,7 +183,7 @@ class WorkerRuntime:
             return
         in_flight = t.draining()
         t.wait_for_layer(layer)
-        self.record.write("wait_for_layer_load", layer=layer, in_flight=sorted(in_flight))
+        self.record.write("wait_for_layer_load", layer=layer, rank=self.rank, in_flight=sorted(in_flight))
 
     def settle(self, request_ids: Iterable[Any]) -> None:
         """Block (bounded) until these requests' transfers stopped writing: their blocks are about to be reused."""

