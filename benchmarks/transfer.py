@@ -281,9 +281,12 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
-                   widths: list[int], server_args: list[str] | None = None, rings: str = "all") -> dict[str, Any]:
+                   widths: list[int], server_args: list[str] | None = None, rings: str = "all",
+                   placement: str = "server") -> dict[str, Any]:
     """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
-    ``kvstrata.core.wire.transport.RingSetting``)."""
+    ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
+    over CUDA IPC) or ``worker`` (engine-executed: this process maps the pool read-only and copies with its own
+    streams; the prompt is stored through a second, server-placement instance)."""
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
@@ -302,11 +305,25 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                        extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0, rings=rings)
-        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        storer = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        worker = storer
+        staging = None
         try:
             t = time.perf_counter()
-            worker.register()
+            storer.register()
             out["register_s"] = round(time.perf_counter() - t, 3)
+            out["placement"] = placement
+            if placement == "worker":
+                from kvstrata.core.engine.staging import StagingStore
+
+                staging = StagingStore(cache.layout, cache.region_tensors(), chunk_size=chunk)
+                worker = LayerwiseWorker(client, 1, cache.layout, placement="worker", event_backend=backend,
+                                         local_regions=cache.region_tensors(), registration_layout=staging.layout)
+                t = time.perf_counter()
+                worker.register()  # maps the pool read-only and registers it for DMA
+                out["worker_register_s"] = round(time.perf_counter() - t, 3)
+                out["pool_dma_register_s"] = round(worker._copier.register_s, 3)
+                out["pool_bytes"] = worker._copier.engine.pool.numel()
             gen = torch.Generator().manual_seed(5)
 
             def prompt() -> list[int]:
@@ -365,6 +382,9 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
+                        **({"located_ms": (rec.located_at - rec.submitted_at) * 1e3,
+                            "first_slice_enqueued_ms": (rec.first_slice_at - rec.submitted_at) * 1e3}
+                           if rec.located_at is not None else {}),
                     })
             out["verified"] = verified
             res = {}
@@ -372,7 +392,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 rows = runs[width]
                 res[str(width)] = {k: stats([r[k] for r in rows]) for k in
                                    ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                    "gpu_complete_ms")}
+                                    "gpu_complete_ms", "located_ms", "first_slice_enqueued_ms") if k in rows[0]}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
                 if width != 0:  # paired with the chunk-major retrieve of the same round
                     res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
@@ -383,7 +403,11 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
             store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
             out["store_ms"] = stats(store_ms)
         finally:
-            worker.close()
+            if worker is not storer:
+                worker.close()
+            storer.close()
+            if staging is not None:
+                staging.close()
             client.close()
     return out
 
@@ -410,6 +434,30 @@ def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
                                    "detail": {f"w{w}": round(v, 3) for w, v in wide.items()}}
     for t in out.values():
         t["met"] = bool(t["value"] <= t["limit"]) if not isinstance(t["value"], str) else False
+        t["value"] = round(t["value"], 4)
+    return out
+
+
+ENGINE_EXECUTED_TARGETS = {"chunk_major_vs_raw": 1.05, "width1_first_layer_usable_ms": 1.5}
+"""Issue 19's transfer targets for engine-executed loads (its store target needs GPU stores in this
+placement, which go through the staging area for now and are not measured here)."""
+
+
+def evaluate_engine_executed(raw: dict[str, Any], ee: dict[str, Any], server: dict[str, Any] | None) -> dict:
+    h2d = raw["h2d_pinned_ms"]["median"]
+    r = ee["retrieve"]
+    cm = r["0"]["complete_ms"]["median"]
+    out = {"chunk_major_vs_raw": {"value": cm / h2d, "limit": ENGINE_EXECUTED_TARGETS["chunk_major_vs_raw"],
+                                  "detail": f"chunk-major {cm:.2f} ms vs raw {h2d:.2f} ms"}}
+    if "1" in r:
+        first = r["1"]["gpu_first_layer_ms"]["median"]
+        detail = f"layer 0 usable on the engine's stream {first:.3f} ms after submit"
+        if server and "1" in server["retrieve"]:
+            detail += f" (server placement: {server['retrieve']['1']['gpu_first_layer_ms']['median']:.3f} ms)"
+        out["width1_first_layer_usable_ms"] = {"value": first, "limit": ENGINE_EXECUTED_TARGETS[
+            "width1_first_layer_usable_ms"], "detail": detail}
+    for t in out.values():
+        t["met"] = bool(t["value"] <= t["limit"])
         t["value"] = round(t["value"], 4)
     return out
 
@@ -468,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, cli, rings in variants:
                 phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, r=rings: measure_server(
                     m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, r)))
+    phases.append(("engine_executed", lambda: measure_server(modes[0], args.tokens, args.chunk, args.block_size,
+                                                               args.reps, widths, placement="worker")))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue
@@ -481,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     primary = f"server_{modes[0]}"
     if "raw" in result and primary in result:
         result["targets"] = evaluate(result["raw"], result[primary])
+    if "raw" in result and "engine_executed" in result:
+        result["engine_executed_targets"] = evaluate_engine_executed(result["raw"], result["engine_executed"],
+                                                                     result.get(primary))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, sort_keys=False)
@@ -535,15 +588,24 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                     f"{c}: {v['retrieve_chunk_major_gpu_ms']:.2f}/{v['store_gather_gpu_ms']:.2f}"
                     for c, v in ip["cta_sweep"].items()))
     for name, sv in result.items():
-        if name.startswith("server_"):
+        if name.startswith("server_") or name.startswith("engine_executed") and "retrieve" in sv:
             print(f"[{name}] store {sv['store_ms']['median']:.3f} ms; verified {sv.get('verified')}")
             print("  width  release_ms  complete_ms  overhead_ms  gpu_first_ms  gpu_complete_ms")
             for w, r in sv["retrieve"].items():
                 ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)
                 print(f"  {w:>5}  {r['release_ms']['median']:10.3f}  {r['complete_ms']['median']:11.3f}  "
-                      f"{ov:11.3f}  {r['gpu_first_layer_ms']['median']:12.3f}  {r['gpu_complete_ms']['median']:15.3f}")
+                      f"{ov:11.3f}  {r['gpu_first_layer_ms']['median']:12.3f}  {r['gpu_complete_ms']['median']:15.3f}"
+                      + (f"  located {r['located_ms']['median']:.3f} first enqueued "
+                         f"{r['first_slice_enqueued_ms']['median']:.3f}" if "located_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
+    ee = result.get("engine_executed")
+    if ee:
+        print(f"[engine_executed] pool of {ee['pool_bytes'] >> 20} MiB registered for DMA in "
+              f"{ee['pool_dma_register_s']} s (worker registration {ee['worker_register_s']} s)")
+    for name, t in result.get("engine_executed_targets", {}).items():
+        print(f"engine-executed target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}"
+              f"{' - ' + t['detail'] if 'detail' in t else ''}")
     for name, err in result.get("errors", {}).items():
         print(f"error in {name}: {err.splitlines()[0]}")
 

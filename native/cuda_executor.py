@@ -43,6 +43,7 @@ import logging
 import math
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -96,7 +97,7 @@ _pinned: dict[tuple[int, int], dict[str, Any]] = {}
 """(host address, size) of each pool pinned in this process -> {"refs": engines using it, "dev": {device: ptr}}."""
 
 
-def pin_pool(pool: torch.Tensor, device_index: int, ext: Any) -> int:
+def pin_pool(pool: torch.Tensor, device_index: int, ext: Any, *, read_only: bool = False) -> int:
     """Pin the L1 pool once per process (``cudaHostRegister``) and return its device pointer on a device.
 
     Pinning 1 GiB costs a fraction of a second, so it happens at registration,
@@ -105,7 +106,7 @@ def pin_pool(pool: torch.Tensor, device_index: int, ext: Any) -> int:
     """
     if pool.device.type != "cpu" or pool.dtype != torch.uint8 or not pool.is_contiguous():
         raise ValueError("the L1 pool must be a contiguous uint8 CPU tensor")
-    return pin_host_range(pool.data_ptr(), pool.numel(), device_index, ext, what="the L1 pool")
+    return pin_host_range(pool.data_ptr(), pool.numel(), device_index, ext, what="the L1 pool", read_only=read_only)
 
 
 def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
@@ -113,15 +114,19 @@ def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
     unpin_host_range(pool.data_ptr(), pool.numel(), ext)
 
 
-def pin_host_range(addr: int, size: int, device_index: int, ext: Any, *, what: str = "a host range") -> int:
-    """Register a host mapping for device access once per process (reference counted); its device pointer."""
+def pin_host_range(addr: int, size: int, device_index: int, ext: Any, *, what: str = "a host range",
+                   read_only: bool = False) -> int:
+    """Register a host mapping for device access once per process (reference counted); its device pointer.
+    ``read_only``: the mapping is read-only in this process (an engine's view of the server's pool)."""
     key = (addr, size)
     with _pinned_lock:
         entry = _pinned.get(key)
         if entry is None:
-            dev_ptr = ext.host_register(addr, size, device_index)
-            _pinned[key] = entry = {"refs": 0, "dev": {device_index: dev_ptr}}
-            log.info("pinned %s for CUDA (cudaHostRegister, %d KiB)", what, size >> 10)
+            t0 = time.perf_counter()
+            dev_ptr = ext.host_register(addr, size, device_index, read_only)
+            _pinned[key] = entry = {"refs": 0, "dev": {device_index: dev_ptr}, "register_s": time.perf_counter() - t0}
+            log.info("pinned %s for CUDA (cudaHostRegister%s, %d MiB) in %.3f s", what,
+                     ", read-only" if read_only else "", size >> 20, entry["register_s"])
         elif device_index not in entry["dev"]:
             entry["dev"][device_index] = ext.host_device_pointer(addr, device_index)
         entry["refs"] += 1
@@ -240,7 +245,11 @@ class CudaTransferEngine:
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor | None,
-                 device_index: int, config: CudaTransferConfig | None = None) -> None:
+                 device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False,
+                 stream_priority: int = 0) -> None:
+        """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1).
+        ``stream_priority``: of the copy and kernel streams (lower is higher; an engine runs its copies at
+        high priority so its own compute does not hold them back)."""
         self.layout = layout
         self.config = config or CudaTransferConfig()
         self.index = device_index
@@ -260,11 +269,12 @@ class CudaTransferEngine:
         self.pool = pool if self.ext is not None else None
         self._pool_range = (0, 0, 0)  # host base, size, device base: object addresses by arithmetic
         if self.pool is not None:
-            dev_base = pin_pool(self.pool, device_index, self.ext)
+            dev_base = pin_pool(self.pool, device_index, self.ext, read_only=pool_read_only)
             self._pool_range = (self.pool.data_ptr(), self.pool.numel(), dev_base)
         with torch.cuda.device(device_index):
-            self.stream = torch.cuda.Stream(device_index)
-            self.copy_stream = torch.cuda.Stream(device_index) if self.config.mode == "staged" else None
+            self.stream = torch.cuda.Stream(device_index, priority=stream_priority)
+            self.copy_stream = torch.cuda.Stream(device_index, priority=stream_priority) \
+                if self.config.mode == "staged" else None
         L, kv = layout.num_layers, layout.kv_size
         addrs = [self.regions[r].data_ptr() + off for per_kv in layout.offsets for (r, off) in per_kv]
         self._plane_addrs = np.asarray(addrs, dtype=np.uint64)
@@ -828,3 +838,38 @@ class TorchCudaExecutor:
 
     def synchronize(self) -> None:
         self.engine.synchronize()
+
+
+class CudaLocalCopier:
+    """Engine-executed loads: this engine process copies from the server's L1 pool into its own CUDA cache.
+
+    Built once per mapping of the pool (at registration): the pool, mapped read-only here, is registered for
+    DMA then (``register_s`` says what that cost), and the copies run on this process's own high-priority
+    streams in the engine's CUDA context, so they are not time-sliced against the engine's compute the way
+    a server process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait
+    makes the engine's stream wait on it, and the CPU never blocks on a copy.
+    """
+
+    def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
+                 device_index: int, config: CudaTransferConfig | None = None) -> None:
+        t0 = time.perf_counter()
+        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=True,
+                                         stream_priority=-1)
+        self.register_s = time.perf_counter() - t0
+        log.info("engine-executed loads on cuda:%d: %d MiB L1 pool registered for DMA in %.3f s", device_index,
+                 pool.numel() >> 20, self.register_s)
+
+    def executor(self, objects: Sequence[torch.Tensor]) -> "CudaExecutor | TorchCudaExecutor":
+        return self.engine.executor(objects)
+
+    def mark_slice(self, executor: Any) -> torch.cuda.Event:
+        with torch.cuda.device(self.engine.index):
+            event = torch.cuda.Event()
+            event.record(self.engine.stream)
+        return event
+
+    def finish(self, executor: Any) -> None:
+        self.engine.synchronize()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -47,10 +47,8 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
     """vLLM's cache for a placement: the layout the server is told and this process's regions over it."""
     first = next(iter(kv_caches.values()))
     if first.device.type == "cuda":
-        if placement != PLACEMENT_SERVER:
-            raise NotSupported("a vLLM CUDA cache is written by the server over CUDA IPC (server placement); "
-                               "worker placement on a GPU is not built yet")
-        layout, buffer = cuda_layout(kv_caches)
+        # server: the server opens the buffer by CUDA IPC; worker: this process copies (no export)
+        layout, buffer = cuda_layout(kv_caches, export=placement == PLACEMENT_SERVER)
         return KVCacheDescription(layout, [buffer], str(first.device))
     layout, regions = cpu_page_layout(kv_caches)
     if placement == PLACEMENT_WORKER:

@@ -73,10 +73,12 @@ def cpu_page_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, 
     return layout, regions
 
 
-def cuda_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, Any]:
-    """The per-token layout of a CUDA cache, its one region exported by CUDA IPC."""
-    from kvstrata.native.cuda_ipc import export_region
+def cuda_layout(kv_caches: dict[str, torch.Tensor], *, export: bool = True) -> tuple[PagedKVLayout, Any]:
+    """The per-token layout of a CUDA cache and its one buffer (a flat uint8 tensor over the shared storage).
 
+    ``export``: the region is exported by CUDA IPC for the server to open (server placement); without it the
+    region is this process's own (engine-executed loads: no IPC export needed).
+    """
     layers = ordered_layers(kv_caches)
     first = layers[0][1]
     num_blocks, heads, block_size, channels = first.shape
@@ -92,7 +94,12 @@ def cuda_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, Any]
     storage = first.untyped_storage()
     base = storage.data_ptr()
     buffer = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
-    region = export_region(buffer)
+    if export:
+        from kvstrata.native.cuda_ipc import export_region
+
+        region = export_region(buffer)
+    else:
+        region = Region("local", buffer.numel())
     offsets = [t.data_ptr() - base for _, t in layers]
     layer_bytes = offsets[1] - offsets[0] if len(offsets) > 1 else num_blocks * first.stride(0) * es
     if offsets != [i * layer_bytes for i in range(len(offsets))]:

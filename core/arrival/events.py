@@ -13,7 +13,29 @@ property and its device as ``device``; nothing reaches into private names.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstrata.core.transfer.layouts import PagedKVLayout
+    from kvstrata.core.transfer.planner import Executor
+
+
+class LocalCopier(Protocol):
+    """Worker placement: this process copies from the server's L1 pool (mapped read-only) into its cache."""
+
+    def executor(self, objects: Sequence["torch.Tensor"]) -> "Executor":
+        """An executor for one retrieve's objects (views into the pool)."""
+
+    def mark_slice(self, executor: "Executor") -> Any:
+        """Right after a slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
+
+    def finish(self, executor: "Executor") -> None:
+        """Block the transfer thread until the executor's copies are done (then the locks may go)."""
+
+    def close(self) -> None:
+        ...
 
 
 class EventBackend(Protocol):
@@ -32,6 +54,11 @@ class EventBackend(Protocol):
     def wait_for_engine_writes(self) -> None:
         """Block until what the engine has queued so far has written its cache (a STORE is about to read it)."""
 
+    def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
+                     pool: "torch.Tensor") -> LocalCopier:
+        """Worker placement, once per mapping of the server's pool (at registration): the copies into
+        ``regions`` (this process's cache) from ``pool``; on a GPU this is where the pool is registered for DMA."""
+
 
 class HostEventBackend:
     name = "host"
@@ -48,3 +75,28 @@ class HostEventBackend:
 
     def wait_for_engine_writes(self) -> None:
         return None  # a CPU engine's forward has returned, so its writes are done
+
+    def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
+                     pool: "torch.Tensor") -> LocalCopier:
+        return HostCopier(list(regions))
+
+
+class HostCopier:
+    """CPU copies with the pure-torch executor: a slice has landed when its call returns."""
+
+    def __init__(self, regions: list["torch.Tensor"]) -> None:
+        self.regions = regions
+
+    def executor(self, objects: Sequence["torch.Tensor"]) -> "Executor":
+        from kvstrata.core.transfer.torch_executor import TorchExecutor
+
+        return TorchExecutor(self.regions, objects)
+
+    def mark_slice(self, executor: "Executor") -> Any:
+        return None
+
+    def finish(self, executor: "Executor") -> None:
+        return None
+
+    def close(self) -> None:
+        self.regions = []

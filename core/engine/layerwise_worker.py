@@ -35,12 +35,11 @@ from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
 from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
-from kvstrata.core.arrival.events import EventBackend, HostEventBackend
+from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.shm import Segment
-from kvstrata.core.transfer.torch_executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +58,10 @@ class RetrieveRecord:
     layer_waits: int = 0
     failure: str | None = None
     fallback: str | None = None
+    located_at: float | None = None
+    """Worker placement: when the RETRIEVE's reply (where the chunks are) reached the transfer thread."""
+    first_slice_at: float | None = None
+    """Worker placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
 
 
 @dataclass
@@ -84,7 +87,8 @@ class LayerwiseWorker:
                  placement: str = PLACEMENT_SERVER, event_backend: EventBackend | None = None,
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
-                 retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None, shm_rings: bool = True) -> None:
+                 retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
+                 shm_rings: bool = True) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -115,6 +119,7 @@ class LayerwiseWorker:
             if placement == PLACEMENT_WORKER else None
         self._l1_pool: Segment | None = None
         self._l1_tensor: torch.Tensor | None = None
+        self._copier: LocalCopier | None = None
         self.chunk_size: int | None = None
         self.shm_rings = shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
@@ -135,6 +140,8 @@ class LayerwiseWorker:
     def register(self) -> dict[str, Any]:
         reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.placement)
         self.chunk_size = int(reply["chunk_size"])
+        if self.placement == PLACEMENT_WORKER and reply.get("pool"):
+            self._map_l1_pool(reply["pool"])  # and register it for DMA on a GPU: once, off the request path
         if self.shm_rings:
             self.client.transport.attach_rings()
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
@@ -157,7 +164,7 @@ class LayerwiseWorker:
                 record.fallback, width = reason, 0
         if self.placement == PLACEMENT_WORKER:
             fut = self._transfer_thread.submit(self._run_worker_placement, key, blocks, skip_first_n_tokens,
-                                               width, gate)
+                                               width, gate, record)
             inflight = _InFlight(request_id, blocks, fut, gate, None, width, record)
         else:
             slot = self.pool.acquire() if width > 0 else None
@@ -205,25 +212,47 @@ class LayerwiseWorker:
             seg = Segment.attach(pool["name"], int(pool["size"]), readonly=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only mapping: we never write through it
-                self._l1_tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
-            self._l1_pool = seg
+                tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
+            if self._copier is not None:
+                self._copier.close()  # the server restarted with a new pool
+            self._copier = self._event_backend.local_copier(self.layout, self.local_regions, tensor)
+            if self._l1_pool is not None:
+                self._l1_pool.close()
+            self._l1_tensor, self._l1_pool = tensor, seg
         return self._l1_tensor
 
     def _run_worker_placement(self, key: CacheKey, blocks: list[list[int]], skip: int, width: int,
-                              gate: LayerArrivalGate) -> dict[str, Any]:
+                              gate: LayerArrivalGate, record: RetrieveRecord) -> dict[str, Any]:
         request_id = key.request_id
         try:
             self.layout.check_block_ids(blocks, key.num_tokens)
-            reply = self.client.transport.wait(
-                self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip),
-                timeout=self.retrieve_timeout)
+            fut = self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
+            reply = self.client.transport.wait(fut, timeout=self.retrieve_timeout)
+            record.located_at = time.perf_counter()
             pool = self._map_l1_pool(reply["pool"])
             kv, layers, heads, hb = self.layout.shape_signature()
             objects = [pool[o:o + nb].view(kv, layers, t, heads, hb) for o, nb, t in reply["objects"]]
             copies = planner.plan_copies([t for _, _, t in reply["objects"]], self.chunk_size, 0, skip)
             job = planner.TransferJob(self.layout, blocks, copies)
-            executor = TorchExecutor(self.local_regions, objects)
-            planner.run_transfer(executor, job, width, lambda s, c: gate.record_slice(s, c), request_id)
+            copier = self._copier
+            executor = copier.executor(objects)
+            def on_slice(start: int, count: int) -> None:
+                first = record.first_slice_at is None
+                if first:
+                    record.first_slice_at = time.perf_counter()
+                gate.record_slice(start, count, copier.mark_slice(executor))
+                if first:
+                    # let the engine thread see the release now: enqueuing the other slices would otherwise
+                    # hold the GIL for up to a switch interval (5 ms) while the engine waits to poll
+                    time.sleep(0)
+
+            try:
+                planner.run_transfer(executor, job, width, on_slice, request_id)
+                copier.finish(executor)  # the copies are done: only now may the locks go
+            finally:
+                close = getattr(executor, "close", None)
+                if close is not None:
+                    close()
             return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
         except BaseException as exc:
             gate.fail(f"{type(exc).__name__}: {exc}")
@@ -434,6 +463,9 @@ class LayerwiseWorker:
             self._transfer_thread.shutdown(wait=True, cancel_futures=True)
         if self.pool is not None:
             self.pool.close()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         self._l1_tensor = None
         if self._l1_pool is not None:
             self._l1_pool.close()

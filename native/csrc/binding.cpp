@@ -144,8 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "After the work enqueued so far on stream, store value (64-bit) at dev_word, a mapped host word's "
         "device pointer", py::arg("dev_word"), py::arg("value"), py::arg("device"), py::arg("stream"));
   m.def("host_register", &kvstrata::host_register,
-        "Pin (cudaHostRegister, portable + mapped) a host range once; returns its device pointer", py::arg("ptr"),
-        py::arg("size"), py::arg("device"));
+        "Pin (cudaHostRegister, portable + mapped, read-only if asked) a host range once; returns its device "
+        "pointer", py::arg("ptr"), py::arg("size"), py::arg("device"), py::arg("read_only") = false);
   m.def("host_device_pointer", &kvstrata::host_device_pointer, py::arg("ptr"), py::arg("device"));
   m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"));
   m.def("sm_count", &kvstrata::sm_count, py::arg("device"));

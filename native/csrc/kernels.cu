@@ -286,10 +286,12 @@ void signal_host(uintptr_t dev_word, uint64_t value, int device, uintptr_t strea
   check(cudaGetLastError(), "launch of the host-signal kernel");
 }
 
-uintptr_t host_register(uintptr_t ptr, size_t size, int device) {
+uintptr_t host_register(uintptr_t ptr, size_t size, int device, bool read_only) {
   check(cudaSetDevice(device), "cudaSetDevice");
-  cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(ptr), size,
-                                     cudaHostRegisterPortable | cudaHostRegisterMapped);
+  // read_only: a mapping this process may only read (an engine's view of the server's L1 pool); the
+  // device then only reads through it too.
+  unsigned flags = cudaHostRegisterPortable | cudaHostRegisterMapped | (read_only ? cudaHostRegisterReadOnly : 0u);
+  cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(ptr), size, flags);
   if (err == cudaErrorHostMemoryAlreadyRegistered) {
     cudaGetLastError();  // clear the sticky-free error: already pinned is what we want
   } else {

@@ -58,7 +58,7 @@ void memcpy2d_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t st
 // between the copy's end and the announcement.
 void signal_host(uintptr_t dev_word, uint64_t value, int device, uintptr_t stream);
 
-uintptr_t host_register(uintptr_t ptr, size_t size, int device);
+uintptr_t host_register(uintptr_t ptr, size_t size, int device, bool read_only);
 uintptr_t host_device_pointer(uintptr_t ptr, int device);
 void host_unregister(uintptr_t ptr);
 int sm_count(int device);

@@ -1,0 +1,164 @@
+"""Engine-executed loads on a GPU (worker placement): the engine process copies from the server's L1 pool.
+
+The engine maps the server's pool read-only and registers it for DMA once, at registration; each load's
+copies run on the engine's own high-priority streams in its CUDA context, a slice's event is recorded in
+the engine process, the request goes back on its first slice, and a layer wait orders the engine's stream
+on that event. The cache is vLLM-shaped (one buffer, LBNHC views) and needs no CUDA IPC export. Driven
+through the core's WorkerRuntime with the vLLM adapter's hooks (vLLM does not install on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from kvstrata.adapters.vllm import hooks as vllm_hooks
+from kvstrata.adapters.vllm.kv_layout import layer_index
+from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.engine.worker_runtime import WorkerRuntime
+from kvstrata.core.store.keys import CacheKey, pack_tokens
+from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.core.wire.client import CacheClient
+
+from test_gpu_vllm_worker import BS, L, vllm_gpu_cache
+
+N_BLOCKS = 64  # 1024 tokens
+
+
+def wait_released(side: WorkerRuntime, rid: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while rid not in side.poll(set())[1]:
+        assert time.monotonic() < deadline, f"{rid} was never released"
+        time.sleep(0.0005)
+
+
+def read_all(layers: dict[str, torch.Tensor], blocks: list[int]) -> dict[str, torch.Tensor]:
+    return {name: t[blocks].clone() for name, t in layers.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(gpu_server, tmp_path_factory):
+    buf, layers = vllm_gpu_cache("LBNHC")
+    buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
+    record = tmp_path_factory.mktemp("engine-executed") / "record.jsonl"
+    settings = RuntimeSettings.from_mapping({
+        "server_address": gpu_server.address, "layers_per_stage": 1, "record_path": str(record),
+        "instance_id": 60, "placement": "worker"}, where="kv_connector_extra_config")
+    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
+    side.register(layers)
+    n = N_BLOCKS * BS
+    tokens = [random.Random(5).randrange(1, 30000) for _ in range(n)]
+    src = list(range(1, 1 + N_BLOCKS))
+    side.store([StoreSpec("s", pack_tokens(tokens), None, (tuple(src),), 0)])
+    truth = read_all(layers, src)
+    yield side, layers, tokens, truth, record
+    side.close()
+
+
+def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width: int) -> None:
+    """The scheduler side's LOOKUP (it locks the chunks for the request), then the worker side's load."""
+    scheduler = CacheClient(side.settings.server_address)
+    try:
+        assert scheduler.lookup(CacheKey(rid, side.model, 1, 0, pack_tokens(tokens), None)) == len(tokens)
+    finally:
+        scheduler.close()
+    side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width)])
+
+
+def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_server) -> None:
+    side, layers, tokens, _, _ = engine
+    assert side.connected and side.placement == "worker"
+    assert {r.kind for r in side.layout.regions} == {"local"}, side.layout.regions
+    copier = side.transfers._copier
+    assert type(copier).__name__ == "CudaLocalCopier" and copier.register_s > 0
+    print(f"\nL1 pool ({copier.engine.pool.numel() >> 20} MiB) registered for DMA in {copier.register_s:.3f} s")
+    probe = CacheClient(gpu_server.address)
+    try:
+        key = CacheKey("probe-ee", "vllm-gpu-engine-executed", 1, 0, pack_tokens(tokens), None)
+        assert probe.lookup(key) == len(tokens)
+        probe.end_session("probe-ee")
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 3, 8, 32])
+def test_every_width_lands_byte_exact_in_the_engines_cache(engine, width: int) -> None:
+    side, layers, tokens, truth, _ = engine
+    dst = list(range(100, 100 + N_BLOCKS))
+    random.Random(width).shuffle(dst)
+    for t in layers.values():
+        t[dst] = 0
+    rid = f"ee-w{width}"
+    load(side, rid, tokens, dst, width)
+    wait_released(side, rid)
+    for name in layers:  # vLLM's wait_for_layer_load before each layer: the engine's stream waits
+        side.wait_for_layer(layer_index(name))
+    torch.cuda.current_stream().synchronize()
+    for name, t in layers.items():
+        assert torch.equal(t[dst].view(torch.int16), truth[name].view(torch.int16)), (width, name)
+    side.transfers.wait_all(30)
+    side.poll(set())
+    assert side.take_load_failures() == []
+
+
+def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream(engine, tmp_path) -> None:
+    side, layers, tokens, truth, record = engine
+    dst = list(range(200, 200 + N_BLOCKS))
+    for t in layers.values():
+        t[dst] = 0
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("ee-held", after_slices=1)
+    names = sorted(layers, key=layer_index)
+    with hold.installed():
+        load(side, "ee-held", tokens, dst, 1)
+        hold.wait_held("ee-held", 30)
+        wait_released(side, "ee-held")  # the first slice is enqueued, the rest is held back
+        assert "ee-held" in side.transfers.draining()
+        side.wait_for_layer(0)  # orders the current stream on layer 0's event; the CPU does not block
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(layers[names[0]][dst].view(torch.int16), truth[names[0]].view(torch.int16))
+        hold.open("ee-held")
+        for name in names[1:]:
+            side.wait_for_layer(layer_index(name))
+        torch.cuda.current_stream().synchronize()
+    for name in names:
+        assert torch.equal(layers[name][dst].view(torch.int16), truth[name].view(torch.int16)), name
+    side.transfers.wait_all(30)
+    side.poll(set())
+    events = [json.loads(line) for line in record.read_text().splitlines()]
+    released = [e for e in events if e["event"] == "released" and e["request_id"] == "ee-held"]
+    assert released and released[0]["released_before_complete"] is True and released[0]["failure"] is None
+
+
+def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_server, tmp_path) -> None:
+    """The copy stops after its first slice (held) past the layer-wait bound: the engine's wait returns, and the
+    load's blocks come back through the failure report (vLLM's: block ids to recompute)."""
+    _, layers, tokens, _, _ = engine
+    settings = RuntimeSettings.from_mapping({
+        "server_address": gpu_server.address, "layers_per_stage": 1, "instance_id": 61, "placement": "worker",
+        "layer_wait_timeout": 0.5}, where="kv_connector_extra_config")
+    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("ee-stalled", after_slices=1)
+    dst = list(range(20, 20 + N_BLOCKS))
+    try:
+        side.register(layers)
+        with hold.installed():
+            load(side, "ee-stalled", tokens, dst, 1)
+            wait_released(side, "ee-stalled")
+            t0 = time.monotonic()
+            side.wait_for_layer(1)  # never lands while held: bounded, and the load is failed
+            assert time.monotonic() - t0 < 10
+            failures = side.take_load_failures()
+            assert failures == [set(dst)], failures
+            hold.open("ee-stalled")
+        side.transfers.wait_all(30)
+    finally:
+        hold.open_all()
+        side.close()
