@@ -89,7 +89,8 @@ def catch_in_flight(rig: Rig, prompt: list[int]) -> tuple[Retrieval, int]:
     for the release: (retrieval, layers landed). The transfer goes on only at ``rig.resume(r)``, so it is in
     flight for as long as the test needs, whatever the machine's speed."""
     n = rig.layout.num_layers
-    r = rig.submit(prompt, hold_reply=True, hold_after_slices=1)
+    # server placement: with the reply held, only the arrival board can tell the engine side anything
+    r = rig.submit(prompt, hold_reply=rig.placement == PLACEMENT_SERVER, hold_after_slices=1)
     require(rig.wait_held(r), "retrieve-payload",
             f"the transfer of {r.request_id} never started: the server did not accept the adapter's RETRIEVE, or "
             "the engine side never asked for it")

@@ -237,9 +237,9 @@ class Rig:
                hold_after_slices: int | None = None) -> Retrieval:
         """A new request for a stored ``prompt``, into freshly cleared blocks, through the adapter's engine side.
 
-        ``hold_reply``: the proxy holds back the RETRIEVE's reply (server placement only: a worker-placement
-        copy needs the reply to start). ``hold_after_slices``: the transfer is held once that many slices are
-        published (0: before the first) until :meth:`resume`.
+        ``hold_reply``: the proxy holds back the RETRIEVE's reply (in worker placement the copy then cannot
+        start: the reply says where the chunks are). ``hold_after_slices``: the transfer is held once that many
+        slices are published (0: before the first) until :meth:`resume`.
         """
         hit, truth = self._stored.get(tuple(prompt)) or self.store(prompt)
         n = len(prompt)
@@ -249,7 +249,7 @@ class Rig:
         require(self.driver.read_layer(blocks, 0, hit) != truth[0], "hooks",
                 "the conformance driver's cleared blocks already read as the prompt's KV: read_layer does not "
                 "read the blocks it is given, so no byte check could fail")
-        if hold_reply and self.placement == PLACEMENT_SERVER:
+        if hold_reply:
             self.proxy.hold_replies(rid)
         if hold_after_slices is not None:
             self.hold.hold(rid, after_slices=hold_after_slices)

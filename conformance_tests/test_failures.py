@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER
+
 from .checks import catch_in_flight, check_wire_retrieve, read_every_layer
 from .rig import Retrieval, Rig
 from .rules import broken, require
@@ -83,11 +85,13 @@ def test_server_killed_mid_transfer(make_rig: Callable[..., Rig], warning_log: l
     what = f"the server was killed with {landed} of {rig.layout.num_layers} layers landed"
     for layer in range(landed):
         rig.check_layer(r, layer, "(landed before the server died)")
-    wait_bounded(rig, landed, what)
-    wait_reported(rig, r, SLACK, what)  # the bounded layer wait above has already failed it
+    wait_bounded(rig, landed, what)  # fails the load
+    # worker placement: the engine side's own copy was held (the dead server's chunks stay mapped); it stops
+    # before its next slice, and only then is the engine told to recompute
+    rig.resume(r)
+    wait_reported(rig, r, SLACK, what)
     require(r.request_id in rig.released, "failure-reported", f"{what}, and the request never came back")
     require_logged(warning_log, mark, r, what)
-    rig.resume(r)  # worker placement: the engine side's own copy was held, not the dead server's
     rig.settle(RETRIEVE_TIMEOUT + SLACK)
     rig.free(r)
     rig.restart_server()
@@ -99,9 +103,14 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     prompt = rig.prompt()
     rig.store(prompt)
     mark = len(warning_log)
-    r = rig.submit(prompt, hold_after_slices=0)
-    require(rig.wait_held(r), "retrieve-payload",
-            f"the server never started the transfer of {r.request_id}: it did not accept the adapter's RETRIEVE")
+    if rig.placement == PLACEMENT_SERVER:
+        r = rig.submit(prompt, hold_after_slices=0)
+        require(rig.wait_held(r), "retrieve-payload",
+                f"the server never started the transfer of {r.request_id}: it did not accept the adapter's RETRIEVE")
+    else:  # the engine side copies once the RETRIEVE says where the chunks are: the server dies before it does
+        r = rig.submit(prompt, hold_reply=True)
+        require(rig.proxy.wait_for(lambda: bool(rig.retrieves_on_wire(r)), 20), "retrieve-payload",
+                f"the engine side never sent the RETRIEVE of {r.request_id}")
     rig.kill_server()
     what = "the server died before the first slice landed"
     deadline = time.monotonic() + RETRIEVE_TIMEOUT + SLACK
@@ -122,15 +131,18 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
 
 
 def test_slot_that_never_advances(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
-    rig = fast_failing(make_rig, retrieve_timeout=60.0, own_server=False)  # it stalls the server, kills nothing
+    rig = fast_failing(make_rig, retrieve_timeout=60.0, own_server=False)  # it stalls the transfer, kills nothing
     prompt = rig.prompt()
     r, landed = catch_in_flight(rig, prompt)
     mark = len(warning_log)
-    what = f"the server stopped advancing the arrival slot at {landed} of {rig.layout.num_layers} layers"
+    what = f"the transfer stopped advancing at {landed} of {rig.layout.num_layers} layers"
     wait_bounded(rig, landed, what)
+    if rig.placement != PLACEMENT_SERVER:
+        # the engine side's own copy stalled: it stops before its next slice, then the engine is told
+        rig.resume(r)
     wait_reported(rig, r, SLACK, what)
     require_logged(warning_log, mark, r, what)
-    # The server comes back and finishes late: the transfer settles, the slot returns, nothing hangs.
+    # The stalled transfer goes on late: it settles, the slot returns, nothing hangs.
     rig.resume(r)
     rig.proxy.release_replies(r.request_id)
     rig.settle()

@@ -164,3 +164,50 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             engine.close()
             client.close()
             proxy.stop()
+
+
+def test_a_worker_placement_copy_stops_before_its_failure_is_reported(client, tmp_path):
+    """Worker placement: once a load has failed (here its layer wait timed out while the copy was held), the
+    copy writes no further slice after the one in progress, and the engine is told to recompute only once the
+    copy has stopped, so a recompute into those blocks cannot be overwritten."""
+    tokens = 128
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("stall", after_slices=1)
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
+    worker = LayerwiseWorker(client, 7, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                             layer_wait_timeout=0.3)
+    try:
+        with hold.installed():
+            worker.register()
+            prompt = random_prompt(tokens, seed=3)
+            store_prompt(client, engine, prompt, instance_id=7)
+            key, dst = lookup_into_fresh_blocks(client, engine, "stall", prompt)
+            worker.submit_retrieve("stall", key, [dst], layers_per_stage=1)
+            hold.wait_held("stall")
+            engine_loop_until_released(worker, "stall")
+            worker.wait_for_layer(1)  # never lands while held: the wait gives up and the load fails
+            assert worker.records["stall"].failure is not None
+            assert worker.take_failed() == {}, "reported while this process's copy could still write"
+            hold.open("stall")
+            failed = {}
+            for _ in range(20000):
+                worker.get_finished()
+                failed.update(worker.take_failed())
+                if failed:
+                    break
+            assert list(failed) == ["stall"] and failed["stall"][0] == [dst]
+        # slice 1 (layer 0) landed before the hold, slice 2 (layer 1) was in progress when it was let go;
+        # nothing after it was written
+        wrong = engine.mismatched_layers(prompt, dst, 0, tokens)
+        assert wrong == list(range(2, SMALL_32.num_layers)), wrong
+    finally:
+        hold.open_all()
+        worker.close()
+        engine.close()
+
+
+def engine_loop_until_released(worker, rid, polls: int = 200000) -> None:
+    for _ in range(polls):
+        if rid in worker.get_finished():
+            return
+    raise AssertionError(f"{rid} was never released")

@@ -44,6 +44,10 @@ from kvstrata.core.shm import Segment
 log = logging.getLogger(__name__)
 
 
+class TransferAborted(RuntimeError):
+    """A worker-placement copy stopped between slices because its load had already failed."""
+
+
 @dataclass
 class RetrieveRecord:
     """What happened to one retrieve, for logs, tests and benchmarks."""
@@ -78,6 +82,8 @@ class _InFlight:
     settled: bool = False
     engine_done: bool = False
     """The engine finished or aborted the request while this transfer was in flight."""
+    report_pending: bool = False
+    """Failed while this process's own copy was still running: reported once it has stopped."""
     refresh: Callable[[], None] | None = None
     _board_seen: int = field(default=0)
 
@@ -237,6 +243,8 @@ class LayerwiseWorker:
             copier = self._copier
             executor = copier.executor(objects)
             def on_slice(start: int, count: int) -> None:
+                if gate.failure:  # the engine gave up on this load: write no further slice
+                    raise TransferAborted(gate.failure)
                 first = record.first_slice_at is None
                 if first:
                     record.first_slice_at = time.perf_counter()
@@ -248,8 +256,8 @@ class LayerwiseWorker:
 
             try:
                 planner.run_transfer(executor, job, width, on_slice, request_id)
-                copier.finish(executor)  # the copies are done: only now may the locks go
             finally:
+                copier.finish(executor)  # what was enqueued has run: only now may the locks (and the report) go
                 close = getattr(executor, "close", None)
                 if close is not None:
                     close()
@@ -298,6 +306,9 @@ class LayerwiseWorker:
         if inf.settled:
             return
         fut = inf.future
+        if inf.report_pending and fut.done():
+            inf.report_pending = False
+            self._failed[inf.request_id] = (inf.block_ids, inf.record.failure or "failed")
         if not fut.done():
             if inf.slot is not None and inf.slot.progress().complete:
                 # Every layer landed (published after the copies finished, and the last
@@ -308,7 +319,8 @@ class LayerwiseWorker:
                 return
             if time.perf_counter() - inf.record.submitted_at > self.retrieve_timeout:
                 self._fail(inf, f"no reply within the {self.retrieve_timeout:.0f}s retrieve timeout")
-                self._settle(inf)
+                if not inf.report_pending:  # a local copy settles once it has stopped
+                    self._settle(inf)
             return
         exc = fut.exception()
         if exc is not None:
@@ -348,9 +360,17 @@ class LayerwiseWorker:
         inf.failed = True
         inf.record.failure = reason
         inf.gate.fail(reason)
+        blocks = sum(len(g) for g in inf.block_ids)
+        if self.placement == PLACEMENT_WORKER and not inf.future.done():
+            # This process's copy may be writing a slice: it stops before the next one (the gate failed), and
+            # only then may the engine recompute into those blocks, so the report waits for it (see _collect).
+            inf.report_pending = True
+            log.error("retrieve for request %s failed: %s; its %d blocks are reported for recompute once its "
+                      "copy has stopped", inf.request_id, reason, blocks)
+            return
         self._failed[inf.request_id] = (inf.block_ids, reason)
         log.error("retrieve for request %s failed: %s; its %d blocks are reported for recompute",
-                  inf.request_id, reason, sum(len(g) for g in inf.block_ids))
+                  inf.request_id, reason, blocks)
 
     def wait_for_layer(self, layer: int) -> None:
         """Block until every released, in-flight retrieve has ``layer`` (bounded; failures are reported)."""

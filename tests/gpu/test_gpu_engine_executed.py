@@ -137,8 +137,8 @@ def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream
 
 
 def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_server, tmp_path) -> None:
-    """The copy stops after its first slice (held) past the layer-wait bound: the engine's wait returns, and the
-    load's blocks come back through the failure report (vLLM's: block ids to recompute)."""
+    """The copy stops after its first slice (held) past the layer-wait bound: the engine's wait returns, and once
+    the copy has stopped the load's blocks come back through the failure report (vLLM's: block ids)."""
     _, layers, tokens, _, _ = engine
     settings = RuntimeSettings.from_mapping({
         "server_address": gpu_server.address, "layers_per_stage": 1, "instance_id": 61, "placement": "worker",
@@ -155,9 +155,15 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
             t0 = time.monotonic()
             side.wait_for_layer(1)  # never lands while held: bounded, and the load is failed
             assert time.monotonic() - t0 < 10
-            failures = side.take_load_failures()
-            assert failures == [set(dst)], failures
+            # reported only once this process's copy has stopped (it is held, so not yet)
+            assert side.take_load_failures() == []
             hold.open("ee-stalled")
+            failures: list = []
+            deadline = time.monotonic() + 30
+            while not failures and time.monotonic() < deadline:
+                side.poll(set())
+                failures = side.take_load_failures()
+            assert failures == [set(dst)], failures
         side.transfers.wait_all(30)
     finally:
         hold.open_all()
