@@ -37,6 +37,18 @@ def test_wrong_arity_handler_fails_registration_naming_retrieve(tmp_path):
     assert "RETRIEVE" in msg and "expects 5 arguments" in msg and "declares 8" in msg
 
 
+def test_a_handler_with_the_right_count_but_other_names_fails_registration(tmp_path):
+    srv = Server(f"ipc://{tmp_path}/s.sock")
+
+    def swapped(key, block_ids, instance_id, event_handle, skip_first_n_tokens):  # two items swapped
+        return {}
+
+    with pytest.raises(ProtocolError) as info:
+        srv.register(RequestType.STORE, swapped)
+    msg = str(info.value)
+    assert "STORE" in msg and "(key, block_ids, instance_id" in msg and "(key, instance_id, block_ids" in msg
+
+
 def test_server_handlers_all_match_their_declarations(tmp_path):
     server = CacheServer(ServerConfig(address=f"ipc://{tmp_path}/s.sock", l1_bytes=1 << 20))
     try:

@@ -24,7 +24,7 @@ from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server, 
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
-from test_transport import handler_of_arity, started_server
+from test_transport import handler_of, started_server
 
 
 @pytest.fixture
@@ -264,11 +264,11 @@ def ring_server():
             if rt == RequestType.PING:
                 server.register(rt, lambda: "pong")
             elif rt in (RequestType.FREE_LOOKUP_LOCKS, RequestType.END_SESSION):
-                server.register(rt, handler_of_arity(1, lambda request_id, name=rt.name: rec.note(f"{name}:{request_id}")))
+                server.register(rt, handler_of(rt, lambda request_id, name=rt.name: rec.note(f"{name}:{request_id}")))
             elif rt == RequestType.LOOKUP:
                 server.register(rt, lambda key: rec.note(f"LOOKUP:{key['request_id']}"))
             else:
-                server.register(rt, handler_of_arity(decl.arity, lambda *a: {}))
+                server.register(rt, handler_of(rt, lambda *a: {}))
         server.start()
         if busy:
             server.enable_busy_poll(spin_watching_words, 50.0)

@@ -24,9 +24,9 @@ from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server
 KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
 
 
-def handler_of_arity(n: int, fn: Any) -> Any:
-    """A handler taking exactly ``n`` positional items (the server checks arity at registration)."""
-    names = ", ".join(f"a{i}" for i in range(n))
+def handler_of(rt: RequestType, fn: Any) -> Any:
+    """A handler taking exactly ``rt``'s declared items, by name (the server checks them at registration)."""
+    names = ", ".join(item.name for item in DECLARATIONS[rt].items)
     scope: dict[str, Any] = {"fn": fn}
     exec(f"def handler({names}):\n    return fn({names})", scope)
     return scope["handler"]
@@ -83,11 +83,11 @@ def serve() -> Iterator[Any]:
             if rt == RequestType.PING:
                 server.register(rt, lambda: "pong")
             elif rt == RequestType.RETRIEVE:
-                server.register(rt, handler_of_arity(decl.arity, transfers.retrieve))
+                server.register(rt, handler_of(rt, transfers.retrieve))
             elif rt == RequestType.LOOKUP:
                 server.register(rt, lambda key: {"request_id": key["request_id"]})
             else:
-                server.register(rt, handler_of_arity(decl.arity, lambda *a: {}))
+                server.register(rt, handler_of(rt, lambda *a: {}))
         server.start()
         servers.append(server)
         return server
@@ -303,7 +303,7 @@ def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve
         return Deferred(lambda: {"instance_id": instance_id}, flag.is_set, instance_id + 1)
 
     server = serve(2, SlowTransfers(0))
-    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
     server.enable_busy_poll(functools.partial(spin, warm_stream=1234), 5.0)
     with Client(server.address, default_timeout=10) as client:
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (5, 6)]
@@ -368,7 +368,7 @@ def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_re
         return Deferred(settle, lambda: ready(handle), handle)
 
     server = serve(2, SlowTransfers(0))
-    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
     server.enable_busy_poll(functools.partial(spin, warm_stream=1), 5.0)
     with caplog.at_level("WARNING", logger="kvstrata.core.wire.transport"):
         with Client(server.address, default_timeout=60) as client:
@@ -401,7 +401,7 @@ def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(
         return Deferred(settle, lambda: False)
 
     server = serve(2, SlowTransfers(), defer_replies=not busy_polling)
-    server.register(RequestType.RETRIEVE, handler_of_arity(DECLARATIONS[RequestType.RETRIEVE].arity, retrieve))
+    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
     if busy_polling:
         server.enable_busy_poll(python_busy_wait, 5.0)
     with Client(server.address, default_timeout=60) as client:
@@ -414,7 +414,7 @@ def started_server(retrieve: Any, transfer_threads: int = 1) -> Server:
     server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=transfer_threads)
     for rt, decl in DECLARATIONS.items():
         if rt not in TRANSPORT_REQUESTS:
-            server.register(rt, handler_of_arity(decl.arity, retrieve if rt == RequestType.RETRIEVE
+            server.register(rt, handler_of(rt, retrieve if rt == RequestType.RETRIEVE
                                                  else (lambda *a: {})))
     server.start()
     return server
@@ -460,8 +460,7 @@ def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve
     transfers = HoldingTransfers()
     server = serve(2, transfers)
     holder.append(server)
-    arity = DECLARATIONS[RequestType.RETRIEVE].arity
-    server.register(RequestType.RETRIEVE, hands_over_turn(handler_of_arity(arity, transfers.retrieve)))
+    server.register(RequestType.RETRIEVE, hands_over_turn(handler_of(RequestType.RETRIEVE, transfers.retrieve)))
     with Client(server.address, default_timeout=60) as client:
         fut = client.submit(RequestType.RETRIEVE, retrieve_payload(7))
         assert entered.wait(60)

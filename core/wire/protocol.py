@@ -246,10 +246,11 @@ def chunk_major_retrieve_tail() -> tuple[None, None, int]:
 
 
 def check_handler_signature(request_type: RequestType, handler: Callable[..., Any]) -> None:
-    """Raise ProtocolError unless ``handler`` takes exactly the declared payload items.
+    """Raise ProtocolError unless ``handler`` takes exactly the declared payload items, by name and in order.
 
     Called when a handler is registered, so a protocol/handler mismatch stops the
-    server at start-up with both arities named, instead of failing every request.
+    server at start-up naming both sides, instead of failing (or, with two items
+    swapped, silently misreading) every request.
     """
     decl = DECLARATIONS[request_type]
     params = [
@@ -268,6 +269,13 @@ def check_handler_signature(request_type: RequestType, handler: Callable[..., An
             f"but the protocol declares {decl.arity}: handler signature does not match for "
             f"request type {request_type.name}"
         )
+    names = [p.name for p in params]
+    declared = [item.name for item in decl.items]
+    if names != declared:
+        # same count, other names or order: the handler would read one item as another
+        raise ProtocolError(
+            f"Handler for RequestType.{request_type.name} takes ({', '.join(names)}), but the protocol "
+            f"declares the items ({', '.join(declared)}) in that order")
 
 
 def validate_payload(request_type: RequestType, payload: Sequence[Any]) -> None:
