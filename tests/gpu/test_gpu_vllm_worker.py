@@ -43,7 +43,7 @@ def vllm_gpu_cache(physical: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize("physical", ["LBNHC", "LBHNC"])
-def test_vllm_worker_side_stores_and_loads_through_cuda_ipc_with_early_release(gpu_server, tmp_path, physical):
+def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_release(gpu_server, tmp_path, physical):
     buf, layers = vllm_gpu_cache(physical)
     buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
     record = tmp_path / "record.jsonl"
