@@ -1,4 +1,4 @@
-"""The ``kvstrata`` command: ``serve`` runs a cache server, ``demo`` runs the embedded quick start."""
+"""The ``kvstrata`` command: ``serve`` runs a cache server, ``status`` shows one, ``demo`` runs the quick start."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ def _setup_logging(level: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kvstrata.core.wire.transport import default_address
 
+    from kvstrata import __version__
+
     p = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a cache server until SIGTERM/SIGINT",
@@ -58,8 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with busy polling, answer a transfer from its own thread instead of the polling thread, "
                         "for A/B measurements")
     s.add_argument("--allow-remote", action="store_true",
-                   help="allow binding a non-loopback TCP address (off by default: the protocol has no auth)")
+                   help="allow binding a non-loopback TCP address, and serve metrics on every interface (off by "
+                        "default: the protocol has no auth)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (off by default)")
+    s.add_argument("--config", default=None, metavar="FILE",
+                   help="a TOML (or, with PyYAML installed, YAML) file of these settings, named as the flags "
+                        "without dashes (l1_size = \"4G\"); flags given here override it")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    st = sub.add_parser("status", help="show a running server: pool use, instances, transfers, hit rate",
+                        description="Ask a running kvstrata server for its state and print it; exit code 1 when "
+                                    "no server answers.")
+    st.add_argument("--address", default=None, help=f"the server's address (default {default_address()})")
+    st.add_argument("--json", action="store_true", help="print the server's answer as JSON")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
 
     d = sub.add_parser("demo", help="store and retrieve a prompt's KV with an embedded server and reference engine",
                        description="Start a server process and a reference engine on CPU, store one prompt's KV, "
@@ -78,12 +94,14 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
                           allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
-                          deferred_replies=args.deferred_replies)
+                          deferred_replies=args.deferred_replies, metrics_port=args.metrics_port)
     from kvstrata.native import target_openers
     from kvstrata.native.cuda_executor import CudaTransferConfig
 
     cuda_config = CudaTransferConfig(mode=args.cuda_mode)
-    log.info("starting with %s, GPU caches: %s", config, cuda_config)
+    if args.config:
+        log.info("settings from %s, overridden by the command line's flags", args.config)
+    log.info("effective configuration: %s, GPU caches: %s", config, cuda_config)
     server = CacheServer(config, target_openers=target_openers(cuda_config))
     stop = threading.Event()
 
@@ -103,7 +121,19 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        return status(args)
+    if args.command == "serve" and args.config:
+        from kvstrata.server_config import ConfigError, apply_config_file
+
+        try:
+            apply_config_file(args, args.config, given=given_flags(parser, argv))
+        except ConfigError as exc:
+            print(f"kvstrata serve: {exc}", file=sys.stderr)
+            return 2
     _setup_logging(args.log_level)
     if args.command == "serve":
         return serve(args)
@@ -112,6 +142,74 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(tokens=args.tokens, layers_per_stage=args.layers_per_stage)
     return 2
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The ``serve`` settings given as flags on this command line (they override the config file)."""
+    serve_parser = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)) \
+        .choices["serve"]
+    given = set()
+    for action in serve_parser._actions:
+        for opt in action.option_strings:
+            if any(t == opt or t.startswith(opt + "=") for t in argv):
+                given.add(action.dest)
+    return given
+
+
+def status(args: argparse.Namespace) -> int:
+    import json
+
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.wire.transport import default_address
+
+    address = args.address or default_address()
+    client = CacheClient(address, timeout=args.timeout)
+    try:
+        info = client.server_info()
+    except Exception as exc:
+        print(f"kvstrata status: no kvstrata server answered at {address} within {args.timeout:g}s "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(info, indent=1, sort_keys=True, default=str))
+        return 0
+    print(format_status(address, info))
+    return 0
+
+
+def format_status(address: str, info: dict) -> str:
+    """The readable table ``kvstrata status`` prints."""
+    l1 = info["l1"]
+    used = l1["capacity_bytes"] - l1["free_bytes"]
+    totals = info.get("totals", {})
+    asked = totals.get("lookup_hit_tokens", 0) + totals.get("lookup_miss_tokens", 0)
+    hit_rate = f"{100 * totals.get('lookup_hit_tokens', 0) / asked:.1f}% of {int(asked)} looked-up tokens" \
+        if asked else "no lookups yet"
+    rows = [
+        ("server", f"kvstrata {info['version']} at {address}"),
+        ("uptime", f"{info.get('uptime_s', 0):.0f} s"),
+        ("L1 pool", f"{used / (1 << 20):.1f} of {l1['capacity_bytes'] / (1 << 20):.0f} MiB used, "
+                    f"{l1['objects']} chunks, {l1['locked_objects']} locked, {l1['evictions']} evicted"),
+        ("chunk size", f"{info['chunk_size']} tokens"),
+        ("hit rate", hit_rate),
+        ("stored", f"{int(totals.get('stored_tokens', 0))} tokens, {totals.get('stored_bytes', 0) / (1 << 20):.1f} MiB"),
+        ("retrieved", f"{int(totals.get('retrieved_tokens', 0))} tokens, "
+                      f"{totals.get('retrieved_bytes', 0) / (1 << 20):.1f} MiB"),
+        ("transfers in flight", str(info.get("transfers_in_flight", 0))),
+        ("metrics", f"http://127.0.0.1:{info['metrics_port']}/metrics" if info.get("metrics_port") else "off"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    details = info.get("instance_details", [])
+    lines.append(f"{'instances':<{width}}  {len(details)}")
+    if details:
+        lines.append("  id  format                placement  device   layers  blocks x tokens  transfers")
+        for i in details:
+            lines.append(f"  {i['instance_id']:>2}  {i['format']:<20}  {i['placement']:<9}  {i['device']:<7}  "
+                         f"{i['layers']:>6}  {i['blocks']:>6} x {i['block_size']:<6}  {i['transfers']:>9}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

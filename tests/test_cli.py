@@ -55,7 +55,7 @@ def test_sigterm_shuts_down_cleanly_and_removes_shared_memory(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         stderr = proc.stderr.read()
-        assert re.search(r"starting with ServerConfig\(address=.*l1_bytes=16777216", stderr)
+        assert re.search(r"effective configuration: ServerConfig\(address=.*l1_bytes=16777216", stderr)
         assert "received SIGTERM" in stderr and f"{segment} removed" in stderr
         assert not os.path.exists(f"/dev/shm/{segment}")
         assert not os.path.exists(str(tmp_path / "s.sock"))

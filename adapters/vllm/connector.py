@@ -45,10 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
 from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.engine.stats import RuntimeStats
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 
 from .kv_layout import layer_index
@@ -70,6 +73,27 @@ def salt_of(request: Any) -> str | None:
     parts = [p for p in (getattr(request, "cache_salt", None),
                          getattr(getattr(request, "lora_request", None), "lora_name", None)) if p]
     return "|".join(map(str, parts)) or None
+
+
+class KvstrataConnectorStats(KVConnectorStats):
+    """The worker runtime's numbers for one stats interval, as vLLM collects a connector's stats.
+
+    vLLM sends ``data`` from each worker to its logger, sums the workers' with :meth:`aggregate` and logs
+    :meth:`reduce` once per interval ("KV Transfer metrics: loads_started=..., mean_release_ms=...").
+    """
+
+    def reset(self) -> None:
+        self.data = RuntimeStats().as_dict()
+
+    def aggregate(self, other: KVConnectorStats) -> "KvstrataConnectorStats":
+        total = RuntimeStats.from_dict(self.data).add(RuntimeStats.from_dict(other.data))
+        return KvstrataConnectorStats(data=total.as_dict())
+
+    def reduce(self) -> dict[str, int | float]:
+        return RuntimeStats.from_dict(self.data).summary()
+
+    def is_empty(self) -> bool:
+        return RuntimeStats.from_dict(self.data).is_empty()
 
 
 class KvstrataMetadata(KVConnectorMetadata):
@@ -127,6 +151,11 @@ class KvstrataConnector(KVConnectorBase_V1):
         and the width cannot disagree.
         """
         return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_stage > 0
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats:
+        """vLLM's logger process, each time workers' stats arrive: our stats class over their data."""
+        return KvstrataConnectorStats(data=dict(data) if data else RuntimeStats().as_dict())
 
     # --- scheduler side ----------------------------------------------------------------
 
@@ -219,6 +248,13 @@ class KvstrataConnector(KVConnectorBase_V1):
         """Worker, every step after the forward: (finished_sending, finished_recving)."""
         freeable, released = self.worker_runtime.poll(finished_req_ids)
         return freeable or None, released or None
+
+    def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
+        """Worker, every step: the runtime's numbers since the last call (None when nothing happened)."""
+        if self.worker_runtime is None:
+            return None
+        stats = self.worker_runtime.take_stats()
+        return None if stats.is_empty() else KvstrataConnectorStats(data=stats.as_dict())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, every step: blocks whose load failed, for vLLM to recompute."""

@@ -33,6 +33,7 @@ from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.record import EventRecord
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
+from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 from kvstrata.core.engine.staging import StagingStore
 from kvstrata.core.wire.client import CacheClient
@@ -69,6 +70,8 @@ class WorkerRuntime:
         self._unloadable: dict[str, tuple[list[list[int]], str]] = {}
         self._failure_reports: list[Any] = []
         self._next_connect = 0.0
+        self.stats = StatsAccumulator()
+        """Engine-side numbers (see :mod:`kvstrata.core.engine.stats`)."""
 
     # --- registration ------------------------------------------------------------------
 
@@ -170,6 +173,7 @@ class WorkerRuntime:
                             world_size=self.world_size)
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                            layers_per_stage=spec.layers_per_stage)
+            self.stats.bump(loads_started=1)
             self.record.write("load_started", request_id=spec.request_id, rank=self.rank, tokens=spec.num_tokens,
                               skip=spec.skip, layers_per_stage=spec.layers_per_stage)
 
@@ -178,12 +182,12 @@ class WorkerRuntime:
         t = self.transfers
         if t is None:
             return
-        if not self.record.enabled:
-            t.wait_for_layer(layer)
-            return
-        in_flight = t.draining()
+        started = time.perf_counter()
+        in_flight = t.draining() if self.record.enabled else ()
         t.wait_for_layer(layer)
-        self.record.write("wait_for_layer_load", layer=layer, rank=self.rank, in_flight=sorted(in_flight))
+        self.stats.bump(layer_waits=1, layer_wait_seconds=time.perf_counter() - started)
+        if self.record.enabled:
+            self.record.write("wait_for_layer_load", layer=layer, rank=self.rank, in_flight=sorted(in_flight))
 
     def settle(self, request_ids: Iterable[Any]) -> None:
         """Block (bounded) until these requests' transfers stopped writing: their blocks are about to be reused."""
@@ -205,6 +209,9 @@ class WorkerRuntime:
         released = set(t.get_finished()) | unloadable
         for rid in released:
             rec = t.records.get(rid)
+            if rec is not None and rec.released_at is not None:
+                self.stats.bump(loads_released=1, release_seconds=rec.released_at - rec.submitted_at,
+                                loads_released_before_complete=int(bool(rec.released_before_complete)))
             self.record.write("released", request_id=rid, rank=self.rank,
                               released_before_complete=bool(rec and rec.released_before_complete),
                               failure=rec.failure if rec else None)
@@ -240,6 +247,7 @@ class WorkerRuntime:
             failed.update(self.transfers.take_failed())
             lost = self.transfers.take_registration_lost()
         for rid, (blocks, reason) in failed.items():
+            self.stats.bump(loads_failed=1)
             self.record.write("load_failed", request_id=rid, rank=self.rank, reason=reason)
             self._failure_reports.append(self.adapter.report_load_failure(self._engine(rid), blocks, reason))
         if lost:
@@ -291,6 +299,7 @@ class WorkerRuntime:
             except Exception as exc:
                 self._store_failed(spec, exc)
                 continue
+            self.stats.bump(stores=1)
             self.record.write("stored", request_id=spec.request_id, rank=self.rank, **reply)
 
     def _store_one(self, spec: StoreSpec) -> dict[str, Any]:
@@ -302,7 +311,12 @@ class WorkerRuntime:
         return self.client.store(key, self.instance_id, [list(g) for g in spec.block_ids],
                                  skip_first_n_tokens=spec.skip)
 
+    def take_stats(self) -> RuntimeStats:
+        """The engine-side numbers since the last call (an engine's stats interval)."""
+        return self.stats.take_interval()
+
     def _store_failed(self, spec: StoreSpec, exc: BaseException) -> None:
+        self.stats.bump(stores_failed=1)
         log.warning("STORE of %s failed (%s); the prompt stays uncached", spec.request_id, exc)
         self.record.write("store_failed", request_id=spec.request_id, rank=self.rank, reason=str(exc))
 

@@ -22,6 +22,7 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
 from kvstrata.core.wire.transport import Deferred, Server, hands_over_turn
@@ -40,6 +41,9 @@ class ServerConfig:
     allow_remote: bool = False
     busy_poll_ms: float = 25.0
     """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: any free port; None: no endpoint). Loopback unless
+    ``allow_remote``."""
     deferred_replies: bool = True
     """With busy polling on, the polling thread answers a transfer once its copies are done, so the handler's
     thread is free as soon as they are enqueued; False has the handler's thread wait and answer (for A/B
@@ -113,8 +117,10 @@ class CacheServer:
             RequestType.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
             RequestType.END_SESSION: self.end_session,
         }
+        self.metrics = ServerMetrics(self)
+        self.metrics_port: int | None = None
         for rt, h in handlers.items():
-            self.transport.register(rt, h)
+            self.transport.register(rt, self.metrics.instrument(rt, h))
 
     @property
     def address(self) -> str:
@@ -122,11 +128,15 @@ class CacheServer:
 
     def start(self) -> None:
         self.transport.start()
+        if self.config.metrics_port is not None:
+            host = "0.0.0.0" if self.config.allow_remote else "127.0.0.1"
+            self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
         log.info("kvstrata server %s listening on %s: L1 %d MiB in shared memory %s, chunk %d tokens, "
                  "%d transfer threads", VERSION, self.address, self.config.l1_bytes >> 20,
                  self.store.segment.name, self.config.chunk_size, self.config.transfer_threads)
 
     def stop(self) -> None:
+        self.metrics.close()
         self.transport.stop()
         with self._lock:
             for inst in self._instances.values():
@@ -143,10 +153,29 @@ class CacheServer:
     def ping(self) -> str:
         return "pong"
 
+    def state(self) -> dict[str, Any]:
+        """What the server holds now: L1 use and every registered instance (for metrics and status)."""
+        with self._lock:
+            instances = [{"instance_id": i.instance_id, "format": i.layout.format, "placement": i.placement,
+                          "device": i.target.device, "layers": i.layout.num_layers, "blocks": i.layout.num_blocks,
+                          "block_size": i.layout.block_size, "transfers": i.transfers}
+                         for i in sorted(self._instances.values(), key=lambda i: i.instance_id)]
+        return {"l1": self.store.stats(), "instances": instances}
+
+    def token_bytes(self, instance_id: int) -> int:
+        """KV bytes of one token (every layer) in instance ``instance_id``'s cache; 0 if it is gone."""
+        with self._lock:
+            inst = self._instances.get(instance_id)
+        return inst.layout.object_bytes(1) if inst is not None else 0
+
     def server_info(self) -> dict[str, Any]:
+        state = self.state()
         return {"version": VERSION, "chunk_size": self.config.chunk_size,
-                "l1": self.store.stats(), "pool": {"name": self.store.segment.name, "size": self.store.capacity},
-                "instances": sorted(self._instances),
+                "uptime_s": round(time.time() - self.metrics.started_at, 3),
+                "l1": state["l1"], "pool": {"name": self.store.segment.name, "size": self.store.capacity},
+                "instances": [i["instance_id"] for i in state["instances"]], "instance_details": state["instances"],
+                "transfers_in_flight": sum(i["transfers"] for i in state["instances"]),
+                "totals": self.metrics.totals(), "metrics_port": self.metrics_port,
                 "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests},
                 "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
 
