@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (off by default)")
     s.add_argument("--config", default=None, metavar="FILE",
-                   help="a TOML (or, with PyYAML installed, YAML) file of these settings, named as the flags "
+                   help="a TOML or YAML file of these settings, named as the flags "
                         "without dashes (l1_size = \"4G\"); flags given here override it")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

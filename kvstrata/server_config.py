@@ -90,7 +90,7 @@ def read_config(path: str) -> dict[str, Any]:
         try:
             import yaml
         except ImportError:
-            raise ConfigError(f"{path} is YAML, which needs PyYAML (pip install pyyaml); or write it as TOML") \
+            raise ConfigError(f"{path} is YAML, which needs PyYAML (a kvstrata dependency: pip install pyyaml)") \
                 from None
         try:
             data = yaml.safe_load(text) or {}

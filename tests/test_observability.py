@@ -146,6 +146,14 @@ def test_config_file_sets_the_server_and_flags_override_it(tmp_path: Path) -> No
     assert f"settings from {config}" in log and "transfer_threads=2" in log and "chunk_size=32" in log, log
 
 
+def test_a_yaml_config_file_is_read_too(tmp_path: Path) -> None:
+    from kvstrata.server_config import read_config
+
+    config = tmp_path / "kvstrata.yaml"
+    config.write_text("serve:\n  l1_size: 2G\n  chunk_size: 512\n  deferred_replies: false\n")
+    assert read_config(str(config)) == {"l1_size": 2 << 30, "chunk_size": 512, "deferred_replies": False}
+
+
 @pytest.mark.parametrize("body, message", [
     ('chunk_sise = 128\n', "unknown setting 'chunk_sise'"),
     ('l1_size = "lots"\n', "l1_size = 'lots' is not a size"),
