@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.store.keys import CacheKey, pack_tokens
 
 CHUNK = 16
 
@@ -49,3 +49,40 @@ def test_pack_tokens_matches_numpy_and_refuses_non_integers() -> None:
         pack_tokens([1, 2.5])
     with pytest.raises(ValueError, match="int64 range"):
         pack_tokens([2**63])
+
+
+# --- keys by the engine's page hashes (SGLang's page-hash chain) ---------------------------------------------
+
+def page_key(rid, hashes, page_size=16, **kw):
+    return CacheKey.for_page_hashes(rid, hashes, page_size, model="m", **kw)
+
+
+def test_a_key_by_page_hashes_names_each_chunk_by_its_last_page():
+    hashes = [f"page-{i}" for i in range(10)]  # 160 tokens in pages of 16; chunks of 64 = 4 pages
+    key = page_key("r", hashes)
+    assert key.num_tokens == 160
+    digests = key.chunk_hashes(64)
+    assert len(digests) == 3  # pages 0-3, 4-7, and the partial 8-9
+    shorter = page_key("r2", hashes[:8]).chunk_hashes(64)
+    assert shorter == digests[:2]  # a shared prefix of whole chunks shares their digests
+    assert page_key("r3", hashes[:9]).chunk_hashes(64)[2] != digests[2]  # a partial chunk: its own last page
+    assert CacheKey.from_wire(key.to_wire()) == key
+
+
+def test_page_hash_keys_never_collide_with_token_keys_or_other_shards():
+    hashes = [f"page-{i}" for i in range(4)]
+    by_pages = page_key("r", hashes).chunk_hashes(64)
+    assert by_pages != CacheKey.for_tokens("r", list(range(64)), model="m").chunk_hashes(64)
+    assert by_pages != page_key("r", hashes, rank=1, world_size=2).chunk_hashes(64)
+    assert by_pages != page_key("r", hashes, salt="lora").chunk_hashes(64)
+
+
+def test_bad_page_hash_keys_are_refused_naming_what_is_wrong():
+    with pytest.raises(ValueError, match="positive page_size"):
+        page_key("r", ["a"], page_size=0)
+    with pytest.raises(ValueError, match="not both"):
+        CacheKey("r", "m", 1, 0, pack_tokens([1]), None, ("a",), 16)
+    with pytest.raises(ValueError, match="non-empty strings"):
+        page_key("r", ["a", ""])
+    with pytest.raises(ValueError, match="chunk size 40 is not a multiple of the engine's page size 16"):
+        page_key("r", ["a", "b", "c"]).chunk_hashes(40)

@@ -97,3 +97,13 @@ def test_codec_round_trip_and_refuses_extension_types():
         codec.decode_request(msgpack.packb([2, 1, 0, []]))
     with pytest.raises(codec.DecodeError):
         codec.decode_request(b"\xc1\xff\x00garbage")
+
+
+def test_a_cache_key_by_page_hashes_is_declared_and_checked():
+    from kvstrata.core.store.keys import CacheKey
+
+    key = CacheKey.for_page_hashes("r", ["a", "b"], 16, model="m").to_wire()
+    validate_payload(RequestType.LOOKUP, [key])
+    for bad in ({**key, "page_hashes": [1, 2]}, {**key, "page_size": -1}, {**key, "page_hashes": "ab"}):
+        with pytest.raises(ProtocolError, match="key"):
+            validate_payload(RequestType.LOOKUP, [bad])

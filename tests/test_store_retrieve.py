@@ -232,3 +232,35 @@ def test_ping_and_lookup_are_answered_while_a_long_transfer_runs(tmp_path):
         finally:
             engine.close()
             client.close()
+
+
+def test_a_prompt_keyed_by_the_engines_page_hashes_stores_hits_and_retrieves_exact(client):
+    """SGLang hands over per-page prefix hashes, not token ids: the key says so, the protocol declares it."""
+    engine = make_engine(client, SMALL, instance_id=0)
+    try:
+        prompt = list(range(7, 7 + 192))
+        hashes = [f"sha256-{i:04d}" for i in range(192 // 16)]  # the engine's chain, one per 16-token page
+        blocks = engine.allocate(192)
+        engine.prefill(prompt, blocks)
+        reply = client.store(CacheKey.for_page_hashes("pages-store", hashes, 16, model="m"), 0, [blocks])
+        assert reply["stored_tokens"] == 192
+        engine.clear(blocks)
+        # a request sharing the first 8 pages (two whole chunks) hits them; the full prompt hits everything
+        assert client.lookup(CacheKey.for_page_hashes("pages-part", hashes[:8] + ["other"] * 4, 16, model="m")) == 128
+        client.end_session("pages-part")
+        key = CacheKey.for_page_hashes("pages-load", hashes, 16, model="m")
+        assert client.lookup(key) == 192
+        dst = engine.allocate(192)
+        engine.clear(dst)
+        client.retrieve(key, 0, [dst])
+        assert engine.mismatched_layers(prompt, dst, 0, 192) == []
+        # the same tokens keyed by token ids are another key: no hit
+        assert client.lookup(CacheKey.for_tokens("pages-tokens", prompt, model="m")) == 0
+        client.end_session("pages-tokens")
+        # a page size that does not divide the chunk size is refused by name, and the server goes on
+        with pytest.raises(RemoteError, match="not a multiple of the engine's page size 48"):
+            client.lookup(CacheKey.for_page_hashes("pages-bad", hashes[:4], 48, model="m"))
+        assert client.ping() == "pong"
+    finally:
+        client.unregister_kv_cache(0)
+        engine.close()

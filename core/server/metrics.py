@@ -151,7 +151,8 @@ class ServerMetrics:
     def _served(self, rt: RequestType, args: tuple[Any, ...], value: Any, seconds: float) -> None:
         if rt == RequestType.LOOKUP:
             hit = int(value["hit_tokens"])
-            asked = len(args[0]["tokens"]) // 8
+            key = args[0]
+            asked = len(key["tokens"]) // 8 or len(key.get("page_hashes") or ()) * int(key.get("page_size", 0))
             self._add(lookup_hit_tokens=hit, lookup_miss_tokens=max(asked - hit, 0))
         elif rt in (RequestType.STORE, RequestType.RETRIEVE):
             what = "stored" if rt == RequestType.STORE else "retrieved"

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 TOKEN_DTYPE = np.dtype("<i8")
+MAX_PAGE_HASH_CHARS = 256
 
 
 def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -53,6 +54,19 @@ class CacheKey:
     rank: int
     tokens: bytes
     salt: str | None = None
+    page_hashes: tuple[str, ...] | None = None
+    """The engine's per-page prefix hashes instead of token ids (``tokens`` is then empty): page i's hash
+    covers every token up to the end of page i, so a chunk's key is its last page's hash."""
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_hashes is not None:
+            if self.page_size <= 0:
+                raise ValueError("a key by page hashes needs a positive page_size")
+            if self.tokens:
+                raise ValueError("a key is by token ids or by page hashes, not both")
+            if any(not isinstance(h, str) or not h or len(h) > MAX_PAGE_HASH_CHARS for h in self.page_hashes):
+                raise ValueError(f"page hashes must be non-empty strings of at most {MAX_PAGE_HASH_CHARS} characters")
 
     @classmethod
     def for_tokens(cls, request_id: str, token_ids: Sequence[int] | np.ndarray, *, model: str,
@@ -60,21 +74,34 @@ class CacheKey:
         return cls(request_id, model, world_size, rank, pack_tokens(token_ids), salt)
 
     @classmethod
+    def for_page_hashes(cls, request_id: str, page_hashes: Sequence[str], page_size: int, *, model: str,
+                        world_size: int = 1, rank: int = 0, salt: str | None = None) -> "CacheKey":
+        return cls(request_id, model, world_size, rank, b"", salt, tuple(page_hashes), page_size)
+
+    @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "CacheKey":
-        return cls(d["request_id"], d["model"], d["world_size"], d["rank"], bytes(d["tokens"]), d.get("salt"))
+        hashes = d.get("page_hashes")
+        return cls(d["request_id"], d["model"], d["world_size"], d["rank"], bytes(d["tokens"]), d.get("salt"),
+                   tuple(hashes) if hashes is not None else None, int(d.get("page_size", 0)))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "model": self.model, "world_size": self.world_size,
-                "rank": self.rank, "salt": self.salt, "tokens": self.tokens}
+        out = {"request_id": self.request_id, "model": self.model, "world_size": self.world_size,
+               "rank": self.rank, "salt": self.salt, "tokens": self.tokens}
+        if self.page_hashes is not None:
+            out["page_hashes"] = list(self.page_hashes)
+            out["page_size"] = self.page_size
+        return out
 
     @property
     def num_tokens(self) -> int:
+        if self.page_hashes is not None:
+            return len(self.page_hashes) * self.page_size
         return len(self.tokens) // TOKEN_DTYPE.itemsize
 
     def same_shard(self, other: "CacheKey") -> bool:
-        """Whether both keys hash under the same model shard (model, world size, rank, salt)."""
-        return (self.model, self.world_size, self.rank, self.salt) == \
-            (other.model, other.world_size, other.rank, other.salt)
+        """Whether both keys hash under the same model shard (model, world size, rank, salt) the same way."""
+        return (self.model, self.world_size, self.rank, self.salt, self.page_hashes is None, self.page_size) == \
+            (other.model, other.world_size, other.rank, other.salt, other.page_hashes is None, other.page_size)
 
     def chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None) -> list[bytes]:
         """One 16-byte digest per chunk, the last one possibly covering a partial chunk (see iter_chunk_hashes)."""
@@ -93,6 +120,9 @@ class CacheKey:
         so only what lies past them is hashed: a retrieve after its lookup hashes
         at most one chunk instead of the whole prompt.
         """
+        if self.page_hashes is not None:
+            yield from self._page_chunk_hashes(chunk_size)
+            return
         check_token_bytes(self.tokens)
         reused: list[bytes] = []
         if known is not None and self.same_shard(known[0]):
@@ -116,3 +146,20 @@ class CacheKey:
             h.update(data[start:start + step])
             prev = h.digest()
             yield prev
+
+    def _page_chunk_hashes(self, chunk_size: int) -> Iterator[bytes]:
+        """A key by page hashes: chunk i's digest is its last page's hash under the shard's seed (a partial last
+        chunk's is its last page's too). Never equal to a token-keyed chunk's: the seed says "pages"."""
+        if chunk_size % self.page_size:
+            raise ValueError(f"the server's chunk size {chunk_size} is not a multiple of the engine's page size "
+                             f"{self.page_size}: keys by page hash need whole pages per chunk")
+        per_chunk = chunk_size // self.page_size
+        seed = hashlib.blake2b(digest_size=16)
+        seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}\x00pages"
+                    f"{self.page_size}".encode())
+        prefix = seed.digest()
+        n = len(self.page_hashes)
+        for start in range(0, n, per_chunk):
+            h = hashlib.blake2b(prefix, digest_size=16)
+            h.update(self.page_hashes[min(start + per_chunk, n) - 1].encode())
+            yield h.digest()

@@ -96,13 +96,16 @@ def list_of(t: ValueType) -> ValueType:
     return ValueType(f"list[{t.name}]", lambda v: isinstance(v, list) and all(map(t.check, v)))
 
 
-def map_with(required: dict[str, ValueType], name: str) -> ValueType:
-    """A string-keyed map that must hold at least ``required`` keys of the given types."""
+def map_with(required: dict[str, ValueType], name: str,
+             optional_keys: dict[str, ValueType] | None = None) -> ValueType:
+    """A string-keyed map that must hold at least ``required`` keys of the given types, and may hold
+    ``optional_keys`` (checked when present)."""
 
     def check(v: Any) -> bool:
         if not MAP.check(v):
             return False
-        return all(k in v and t.check(v[k]) for k, t in required.items())
+        return all(k in v and t.check(v[k]) for k, t in required.items()) and \
+            all(t.check(v[k]) for k, t in (optional_keys or {}).items() if k in v)
 
     return ValueType(name, check)
 
@@ -118,10 +121,13 @@ CACHE_KEY = map_with(
         "salt": optional(STR),
         "tokens": BYTES,
     },
-    "CacheKey{request_id,model,world_size,rank,salt,tokens}",
+    "CacheKey{request_id,model,world_size,rank,salt,tokens[,page_hashes,page_size]}",
+    optional_keys={"page_hashes": optional(list_of(STR)), "page_size": NONNEG_INT},
 )
-"""Identifies a request's token sequence (int64 little-endian token ids) and the
-model shard it belongs to. See :mod:`kvstrata.core.store.keys`."""
+"""Identifies a request's token sequence and the model shard it belongs to: by its token ids (int64
+little-endian ``tokens``), or by the engine's own per-page prefix hashes (``page_hashes``, each covering
+every token up to the end of its page of ``page_size`` tokens, as SGLang's page-hash chain does; ``tokens``
+is then empty). See :mod:`kvstrata.core.store.keys`."""
 
 BOARD_REF = map_with(
     {"name": STR, "slot": NONNEG_INT, "generation": NONNEG_INT},
