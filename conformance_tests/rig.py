@@ -39,7 +39,6 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 

@@ -9,7 +9,7 @@ every byte arrives, and a WARNING names the reason -- once, not per request.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 

@@ -28,7 +28,7 @@ from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
 from kvstrata.core.testing.runtime_driver import RuntimeDriver
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine, synthetic_kv
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region, blocks_layout
+from kvstrata.core.transfer.layouts import PagedKVLayout, Region, blocks_layout
 from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
 NAME = "reference"

@@ -30,7 +30,7 @@ import inspect
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import pluggy
 

@@ -26,7 +26,7 @@ from kvstrata.core.store.keys import CacheKey, pack_tokens
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 
-from test_gpu_vllm_worker import BS, L, vllm_gpu_cache
+from test_gpu_vllm_worker import BS, vllm_gpu_cache
 
 N_BLOCKS = 64  # 1024 tokens
 
