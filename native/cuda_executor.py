@@ -50,6 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.transfer.planner import TransferJob
 
@@ -853,14 +854,18 @@ class CudaLocalCopier:
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
                  device_index: int, config: CudaTransferConfig | None = None) -> None:
         t0 = time.perf_counter()
+        self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=True,
                                          stream_priority=-1)
         self.register_s = time.perf_counter() - t0
         log.info("engine-executed loads on cuda:%d: %d MiB L1 pool registered for DMA in %.3f s", device_index,
                  pool.numel() >> 20, self.register_s)
 
-    def executor(self, objects: Sequence[torch.Tensor]) -> "CudaExecutor | TorchCudaExecutor":
-        return self.engine.executor(objects)
+    def executor(self, spans: Sequence[tuple[int, int]]) -> "CudaExecutor | TorchCudaExecutor":
+        if self.engine.pool is None:  # torch mode: tensor views (the pool is not pinned by the extension there)
+            signature = self.engine.layout.shape_signature()
+            return self.engine.executor([span_view(self.pool, signature, off, tokens) for off, tokens in spans])
+        return self.engine.pool_executor(spans)
 
     def mark_slice(self, executor: Any) -> torch.cuda.Event:
         with torch.cuda.device(self.engine.index):
@@ -868,8 +873,10 @@ class CudaLocalCopier:
             event.record(self.engine.stream)
         return event
 
-    def finish(self, executor: Any) -> None:
-        self.engine.synchronize()
+    def finish(self, last_completion: torch.cuda.Event | None) -> None:
+        if last_completion is not None:
+            last_completion.synchronize()  # releases the GIL while it waits
 
     def close(self) -> None:
         self.engine.close()
+

@@ -25,14 +25,16 @@ if TYPE_CHECKING:
 class LocalCopier(Protocol):
     """Worker placement: this process copies from the server's L1 pool (mapped read-only) into its cache."""
 
-    def executor(self, objects: Sequence["torch.Tensor"]) -> "Executor":
-        """An executor for one retrieve's objects (views into the pool)."""
+    def executor(self, spans: Sequence[tuple[int, int]]) -> "Executor":
+        """An executor for one retrieve's objects, given as (byte offset in the pool, tokens) as the server
+        located them (addresses by arithmetic: no per-object tensor on the way to the first copy)."""
 
     def mark_slice(self, executor: "Executor") -> Any:
         """Right after a slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
 
-    def finish(self, executor: "Executor") -> None:
-        """Block the transfer thread until the executor's copies are done (then the locks may go)."""
+    def finish(self, last_completion: Any) -> None:
+        """Block the calling (transfer) thread until the slice ``last_completion`` marks has run, and with it
+        every slice enqueued before it (then the locks may go). None: nothing is pending."""
 
     def close(self) -> None:
         ...
@@ -78,25 +80,32 @@ class HostEventBackend:
 
     def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
                      pool: "torch.Tensor") -> LocalCopier:
-        return HostCopier(list(regions))
+        return HostCopier(layout, list(regions), pool)
 
 
 class HostCopier:
     """CPU copies with the pure-torch executor: a slice has landed when its call returns."""
 
-    def __init__(self, regions: list["torch.Tensor"]) -> None:
+    def __init__(self, layout: "PagedKVLayout", regions: list["torch.Tensor"], pool: "torch.Tensor") -> None:
+        self.layout = layout
         self.regions = regions
+        self.pool = pool
 
-    def executor(self, objects: Sequence["torch.Tensor"]) -> "Executor":
+    def executor(self, spans: Sequence[tuple[int, int]]) -> "Executor":
         from kvstrata.core.transfer.torch_executor import TorchExecutor
 
+        from kvstrata.core.store.l1_store import span_view
+
+        signature = self.layout.shape_signature()
+        objects = [span_view(self.pool, signature, offset, tokens) for offset, tokens in spans]
         return TorchExecutor(self.regions, objects)
 
     def mark_slice(self, executor: "Executor") -> Any:
         return None
 
-    def finish(self, executor: "Executor") -> None:
+    def finish(self, last_completion: Any) -> None:
         return None
 
     def close(self) -> None:
         self.regions = []
+        self.pool = None

@@ -15,7 +15,8 @@ Engine-agnostic: adapters translate their engine's calls into these four.
 Two placements share the gate. Server placement: the server writes into the
 engine's cache and publishes progress on the arrival board. Worker placement:
 the server only locks and locates the chunks; this process maps the L1 pool
-read-only and runs the same planner itself, recording slices straight into the
+read-only and runs the same planner itself through its one transfer queue
+(:mod:`kvstrata.core.engine.transfer_queue`), recording slices straight into the
 gate.
 """
 
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -36,16 +37,12 @@ from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, Trans
 from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
+from kvstrata.core.engine.transfer_queue import POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
-from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.shm import Segment
 
 log = logging.getLogger(__name__)
-
-
-class TransferAborted(RuntimeError):
-    """A worker-placement copy stopped between slices because its load had already failed."""
 
 
 @dataclass
@@ -94,7 +91,7 @@ class LayerwiseWorker:
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 shm_rings: bool = True) -> None:
+                 shm_rings: bool = True, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -121,12 +118,13 @@ class LayerwiseWorker:
         self._registration_lost = False
         self.records: dict[str, RetrieveRecord] = {}
         self._lock = threading.RLock()
-        self._transfer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-worker-transfer") \
-            if placement == PLACEMENT_WORKER else None
         self._l1_pool: Segment | None = None
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self.chunk_size: int | None = None
+        self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
+                                    chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout) \
+            if placement == PLACEMENT_WORKER else None
         self.shm_rings = shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
         sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake)."""
@@ -169,8 +167,15 @@ class LayerwiseWorker:
                 planner.log_fallback_once(reason)
                 record.fallback, width = reason, 0
         if self.placement == PLACEMENT_WORKER:
-            fut = self._transfer_thread.submit(self._run_worker_placement, key, blocks, skip_first_n_tokens,
-                                               width, gate, record)
+            # The RETRIEVE goes out from this (the engine's) thread: the queue's thread only waits for its reply.
+            try:
+                self.layout.check_block_ids(blocks, key.num_tokens)
+                reply = self.client.retrieve_async(key, self.instance_id, blocks,
+                                                   skip_first_n_tokens=skip_first_n_tokens)
+            except Exception as exc:  # reported through the load, like any other failure
+                reply = Future()
+                reply.set_exception(exc)
+            fut = self._queue.submit(QueuedLoad(key, blocks, skip_first_n_tokens, width, gate, record, reply))
             inflight = _InFlight(request_id, blocks, fut, gate, None, width, record)
         else:
             slot = self.pool.acquire() if width > 0 else None
@@ -227,49 +232,9 @@ class LayerwiseWorker:
             self._l1_tensor, self._l1_pool = tensor, seg
         return self._l1_tensor
 
-    def _run_worker_placement(self, key: CacheKey, blocks: list[list[int]], skip: int, width: int,
-                              gate: LayerArrivalGate, record: RetrieveRecord) -> dict[str, Any]:
-        request_id = key.request_id
-        try:
-            self.layout.check_block_ids(blocks, key.num_tokens)
-            fut = self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
-            reply = self.client.transport.wait(fut, timeout=self.retrieve_timeout)
-            record.located_at = time.perf_counter()
-            pool = self._map_l1_pool(reply["pool"])
-            kv, layers, heads, hb = self.layout.shape_signature()
-            objects = [pool[o:o + nb].view(kv, layers, t, heads, hb) for o, nb, t in reply["objects"]]
-            copies = planner.plan_copies([t for _, _, t in reply["objects"]], self.chunk_size, 0, skip)
-            job = planner.TransferJob(self.layout, blocks, copies)
-            copier = self._copier
-            executor = copier.executor(objects)
-            def on_slice(start: int, count: int) -> None:
-                if gate.failure:  # the engine gave up on this load: write no further slice
-                    raise TransferAborted(gate.failure)
-                first = record.first_slice_at is None
-                if first:
-                    record.first_slice_at = time.perf_counter()
-                gate.record_slice(start, count, copier.mark_slice(executor))
-                if first:
-                    # let the engine thread see the release now: enqueuing the other slices would otherwise
-                    # hold the GIL for up to a switch interval (5 ms) while the engine waits to poll
-                    time.sleep(0)
-
-            try:
-                planner.run_transfer(executor, job, width, on_slice, request_id)
-            finally:
-                copier.finish(executor)  # what was enqueued has run: only now may the locks (and the report) go
-                close = getattr(executor, "close", None)
-                if close is not None:
-                    close()
-            return {"retrieved_tokens": job.num_tokens, "layers_per_stage": width}
-        except BaseException as exc:
-            gate.fail(f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            try:
-                self.client.transport.submit(RequestType.FREE_LOOKUP_LOCKS, [request_id])
-            except Exception:  # the server being gone is reported by the retrieve itself
-                pass
+    def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
+        self._map_l1_pool(pool)
+        return self._copier
 
     # --- engine side -----------------------------------------------------------------
 
@@ -479,8 +444,8 @@ class LayerwiseWorker:
             time.sleep(0.001)
 
     def close(self) -> None:
-        if self._transfer_thread is not None:
-            self._transfer_thread.shutdown(wait=True, cancel_futures=True)
+        if self._queue is not None:
+            self._queue.close()
         if self.pool is not None:
             self.pool.close()
         if self._copier is not None:

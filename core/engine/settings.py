@@ -82,9 +82,13 @@ class RuntimeSettings:
     """The cache's id on the server; tensor-parallel rank r registers ``instance_id + r``."""
     record_path: str | None = None
     """A JSON-lines record of loads, releases, per-layer waits, failures and stores (operators, tests)."""
+    transfer_queue_policy: str = "earliest_released"
+    """Worker placement: the order in which the slices of concurrent loads are enqueued
+    (``earliest_released``: one load after another; ``round_robin``: one slice of each in turn)."""
 
     FIELDS = ("server_address", "layers_per_stage", "placement", "model_name", "lookup_timeout",
-              "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path")
+              "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path",
+              "transfer_queue_policy")
     ALIASES = {"layerwise_overlap": "layers_per_stage"}
 
     @classmethod
@@ -109,6 +113,11 @@ class RuntimeSettings:
         if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"{where}.placement must be {PLACEMENT_AUTO!r}, {PLACEMENT_SERVER!r} or "
                              f"{PLACEMENT_WORKER!r}, got {placement!r}")
+        from kvstrata.core.engine.transfer_queue import POLICIES
+
+        policy = values.get("transfer_queue_policy", POLICIES[0])
+        if policy not in POLICIES:
+            raise ValueError(f"{where}.transfer_queue_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         try:
             for name in ("lookup_timeout", "layer_wait_timeout", "retrieve_timeout"):
                 if name in values:

@@ -125,7 +125,7 @@ class WorkerRuntime:
                 self.client, self.instance_id, d.layout, placement=self.placement, event_backend=self.event_backend,
                 local_regions=list(d.local_regions) if self.placement == PLACEMENT_WORKER else None,
                 registration_layout=registration, pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
-                retrieve_timeout=s.retrieve_timeout)
+                retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy)
             transfers.register()
         except Exception as exc:
             log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)

@@ -53,6 +53,20 @@ def object_view(pool: torch.Tensor, obj: StoredObject) -> torch.Tensor:
     return pool[obj.offset:obj.offset + obj.nbytes].view(kv, layers, obj.num_tokens, heads, head_bytes)
 
 
+def span_view(pool: torch.Tensor, shape_signature: tuple[int, int, int, int], offset: int,
+              num_tokens: int) -> torch.Tensor:
+    """The view of an object a RETRIEVE reply located at ``offset`` (an engine mapping the pool read-only).
+
+    The reply comes from another process, so the span is checked against the pool before it is viewed.
+    """
+    kv, layers, heads, head_bytes = shape_signature
+    nbytes = kv * layers * num_tokens * heads * head_bytes
+    if offset < 0 or num_tokens <= 0 or offset + nbytes > pool.numel():
+        raise ValueError(f"L1 object at offset {offset} with {num_tokens} tokens lies outside the "
+                         f"{pool.numel()}-byte pool")
+    return pool[offset:offset + nbytes].view(kv, layers, num_tokens, heads, head_bytes)
+
+
 class _FreeList:
     """First-fit allocator over [0, size) with coalescing of neighbours."""
 

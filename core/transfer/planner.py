@@ -124,17 +124,38 @@ def layer_slices(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]
     return [(s, min(layers_per_stage, num_layers - s)) for s in range(0, num_layers, layers_per_stage)]
 
 
+def enqueue_slice(executor: Executor, job: TransferJob, layers_per_stage: int, index: int,
+                  request_id: str = "") -> None:
+    """Hand the executor slice ``index`` of ``layer_slices(num_layers, layers_per_stage)``.
+
+    For callers that interleave the slices of several transfers (the worker placement's queue); the caller
+    records the slice's completion and then calls :func:`slice_published`. ``layers_per_stage == 0`` is the
+    chunk-major path: one all-layer launch.
+    """
+    hook = _slice_hook
+    if index == 0 and hook is not None:
+        hook(request_id, 0)
+    if layers_per_stage <= 0:
+        executor.scatter(job, 0, 0)
+    else:
+        start = index * layers_per_stage
+        executor.scatter(job, start, min(layers_per_stage, job.layout.num_layers - start))
+
+
+def slice_published(request_id: str, index: int) -> None:
+    """Slice ``index`` was enqueued and its completion recorded (the test-only hold point, see ``_slice_hook``)."""
+    hook = _slice_hook
+    if hook is not None:
+        hook(request_id, index + 1)
+
+
 def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None,
                     request_id: str = "") -> None:
     """The default path: one all-layer launch. ``on_layer_batch`` sees one batch of every layer."""
-    hook = _slice_hook
-    if hook is not None:
-        hook(request_id, 0)
-    executor.scatter(job, 0, 0)
+    enqueue_slice(executor, job, 0, 0, request_id)
     if on_layer_batch is not None:
         on_layer_batch(0, job.layout.num_layers)
-    if hook is not None:
-        hook(request_id, 1)
+    slice_published(request_id, 0)
 
 
 def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
@@ -146,14 +167,10 @@ def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
     """
     if layers_per_stage <= 0:
         raise ValueError("run_layer_major needs layers_per_stage > 0; 0 is the chunk-major path")
-    hook = _slice_hook
-    if hook is not None:
-        hook(request_id, 0)
     for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_stage)):
-        executor.scatter(job, start, count)
+        enqueue_slice(executor, job, layers_per_stage, index, request_id)
         on_layer_batch(start, count)
-        if hook is not None:
-            hook(request_id, index + 1)
+        slice_published(request_id, index)
 
 
 def run_transfer(executor: Executor, job: TransferJob, layers_per_stage: int,

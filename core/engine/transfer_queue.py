@@ -1,0 +1,245 @@
+"""Worker placement: this engine process's one transfer queue for its loads.
+
+In the worker (engine-executed) placement the server only locks and locates the
+chunks; this process copies them from the server's L1 pool into its own cache.
+Every load of the process goes through one :class:`TransferQueue`, so the order
+in which the slices of concurrent loads reach the copy engine is a decision, made
+by a policy, rather than whatever order threads happen to run in:
+
+* ``earliest_released`` (the default): one load's slices after another's, in the
+  order the loads were submitted. The first load is released on its first slice
+  and its last layer lands as early as it can; the next follows right behind it.
+* ``round_robin``: one slice of each load in turn. Every load is released almost
+  at once, but each one's last layer lands only near the end of all of them; it
+  is here to be measured against (``benchmarks/ttft.py``).
+
+Two threads, so that enqueuing never waits for a copy to finish:
+
+* ``kvstrata-transfer-enqueue`` waits for each load's RETRIEVE reply (sent from the
+  engine's thread at submit), plans it, and enqueues its slices in policy order;
+  each slice's completion goes to the load's gate as soon as it is enqueued (on a
+  GPU an event the engine's stream waits on; on the CPU the copy has run).
+* ``kvstrata-transfer-settle`` waits, load by load, until what was enqueued for it
+  has run, then frees the server's locks and resolves the load's future: only then
+  may the engine free or recompute into its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from kvstrata.core.arrival.events import LocalCopier
+from kvstrata.core.arrival.gate import LayerArrivalGate
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer import planner
+from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
+
+log = logging.getLogger(__name__)
+
+POLICY_EARLIEST_RELEASED = "earliest_released"
+POLICY_ROUND_ROBIN = "round_robin"
+POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
+
+
+class TransferAborted(RuntimeError):
+    """A worker-placement copy stopped between slices because its load had already failed."""
+
+
+@dataclass(eq=False)
+class QueuedLoad:
+    """One load on its way through the queue (compared by identity: two loads are never the same load)."""
+
+    key: CacheKey
+    block_ids: list[list[int]]
+    skip_first_n_tokens: int
+    layers_per_stage: int
+    gate: LayerArrivalGate
+    record: Any
+    """The load's ``RetrieveRecord``: ``located_at`` and ``first_slice_at`` are set here."""
+    reply: Future
+    """The RETRIEVE's reply: where the locked chunks lie in the pool."""
+    future: Future = field(default_factory=Future)
+    """Resolved (result or exception) once nothing of this load is still copying."""
+    slices: list[tuple[int, int]] = field(default_factory=list)
+    next_slice: int = 0
+    last_completion: Any = None
+    executor: Any = None
+    job: planner.TransferJob | None = None
+    copier: LocalCopier | None = None
+    error: BaseException | None = None
+    retrieved_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
+
+
+def slice_order(loads: Sequence[QueuedLoad], policy: str) -> Iterator[QueuedLoad]:
+    """The loads whose next slice goes to the copy engine next, in ``policy``'s order.
+
+    A load that failed (``error`` set) yields no further slice; every other load
+    yields once per remaining slice.
+    """
+    if policy == POLICY_EARLIEST_RELEASED:
+        for load in loads:
+            while load.error is None and load.next_slice < len(load.slices):
+                yield load
+    elif policy == POLICY_ROUND_ROBIN:
+        live = list(loads)
+        while live:
+            for load in list(live):
+                if load.error is not None or load.next_slice >= len(load.slices):
+                    live.remove(load)
+                else:
+                    yield load
+    else:
+        raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
+
+
+class TransferQueue:
+    """The queue and its two threads (see the module docstring)."""
+
+    def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
+                 copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
+                 retrieve_timeout: float) -> None:
+        """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
+        server restarted with a new pool)."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
+        self.client = client
+        self.layout = layout
+        self.policy = policy
+        self._copier_for = copier_for
+        self._chunk_size = chunk_size
+        self.retrieve_timeout = retrieve_timeout
+        self._pending: "queue.Queue[QueuedLoad | None]" = queue.Queue()
+        self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
+        self._enqueue_thread = threading.Thread(target=self._enqueue_loop, name="kvstrata-transfer-enqueue",
+                                                daemon=True)
+        self._settle_thread = threading.Thread(target=self._settle_loop, name="kvstrata-transfer-settle",
+                                               daemon=True)
+        self._enqueue_thread.start()
+        self._settle_thread.start()
+
+    def submit(self, load: QueuedLoad) -> Future:
+        self._pending.put(load)
+        return load.future
+
+    def close(self) -> None:
+        """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
+        self._pending.put(None)
+        self._enqueue_thread.join()
+        self._settle_thread.join()
+
+    # --- the enqueue thread ----------------------------------------------------------
+
+    def _take_batch(self) -> list[QueuedLoad] | None:
+        first = self._pending.get()
+        if first is None:
+            return None
+        batch = [first]
+        while True:
+            try:
+                nxt = self._pending.get_nowait()
+            except queue.Empty:
+                return batch
+            if nxt is None:
+                self._pending.put(None)  # seen again after this batch
+                return batch
+            batch.append(nxt)
+
+    def _enqueue_loop(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                self._enqueued.put(None)
+                return
+            ready = []
+            for load in batch:
+                try:
+                    self._locate(load)
+                    ready.append(load)
+                except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
+                    self._stop(load, exc)
+                    self._enqueued.put(load)
+            if len(ready) > 1 and self.policy == POLICY_ROUND_ROBIN:
+                log.debug("round-robin over %d loads", len(ready))
+            for load in slice_order(ready, self.policy):
+                self._enqueue_next_slice(load)
+                if load.error is not None or load.next_slice >= len(load.slices):
+                    self._enqueued.put(load)
+            for load in ready:  # loads with no slice at all (nothing to copy)
+                if not load.slices:
+                    self._enqueued.put(load)
+
+    def _locate(self, load: QueuedLoad) -> None:
+        reply = self.client.transport.wait(load.reply, timeout=self.retrieve_timeout)
+        load.record.located_at = time.perf_counter()
+        load.copier = self._copier_for(reply["pool"])
+        spans = [(int(off), int(tokens)) for off, _, tokens in reply["objects"]]
+        copies = planner.plan_copies([t for _, t in spans], self._chunk_size(), 0, load.skip_first_n_tokens)
+        load.job = planner.TransferJob(self.layout, load.block_ids, copies)
+        load.retrieved_tokens = load.job.num_tokens
+        load.executor = load.copier.executor(spans)
+        load.slices = planner.layer_slices(self.layout.num_layers, load.layers_per_stage)
+
+    def _enqueue_next_slice(self, load: QueuedLoad) -> None:
+        start, count = load.slices[load.next_slice]
+        try:
+            if load.gate.failure:  # the engine gave up on this load: write no further slice
+                raise TransferAborted(load.gate.failure)
+            planner.enqueue_slice(load.executor, load.job, load.layers_per_stage, load.next_slice, load.request_id)
+            completion = load.copier.mark_slice(load.executor)
+            first = load.next_slice == 0
+            if first:
+                load.record.first_slice_at = time.perf_counter()
+            load.next_slice += 1
+            load.last_completion = completion
+            load.gate.record_slice(start, count, completion)
+            planner.slice_published(load.request_id, load.next_slice - 1)
+            if first:
+                # let the engine thread see the release now: enqueuing more slices would otherwise hold the GIL
+                # for up to a switch interval (5 ms) while the engine waits to poll
+                time.sleep(0)
+        except BaseException as exc:  # noqa: BLE001
+            self._stop(load, exc)
+
+    def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
+        """No further slice of ``load``; the gate fails now, the future once its copies have run."""
+        load.error = exc
+        load.gate.fail(f"{type(exc).__name__}: {exc}")
+
+    # --- the settle thread -----------------------------------------------------------
+
+    def _settle_loop(self) -> None:
+        while True:
+            load = self._enqueued.get()
+            if load is None:
+                return
+            try:
+                if load.copier is not None:
+                    load.copier.finish(load.last_completion)  # what was enqueued for it has run
+            except BaseException as exc:  # noqa: BLE001
+                if load.error is None:
+                    self._stop(load, exc)
+            finally:
+                close = getattr(load.executor, "close", None)
+                if close is not None:
+                    close()
+                try:
+                    self.client.transport.submit(RequestType.FREE_LOOKUP_LOCKS, [load.request_id])
+                except Exception:  # the server being gone is reported by the load itself
+                    pass
+            if load.error is not None:
+                load.future.set_exception(load.error)
+            else:
+                load.future.set_result({"retrieved_tokens": load.retrieved_tokens,
+                                        "layers_per_stage": load.layers_per_stage})
