@@ -1,0 +1,541 @@
+"""First-token time on a GPU with the engine computing (issue 19).
+
+An idle-GPU transfer benchmark (``benchmarks/transfer.py``) cannot see what decides first-token time: while
+later layers still copy, the engine is computing earlier ones, and copies that run in another process's CUDA
+context are time-sliced against that compute. This benchmark runs the compute.
+
+* The engine: Llama-3.1-8B-shaped decoder layers (random bf16 weights: 4096 hidden, 32 query heads, 8 KV
+  heads of 128, MLP 14,336, 32 layers) whose attention reads the cached prefix from the paged KV cache in
+  each engine's own format: vLLM's LBNHC layers, SGLang's per-layer ``k_buffer``/``v_buffer``, TensorRT-LLM's
+  ``[blocks, layers, 2, tokens*heads*head]`` pool (``kvstrata.native.gpu_caches``).
+* The load: a 15,104-token cached prefix (1.84 GiB of KV) per request, stored in a real ``kvstrata serve``
+  process, plus 256, 1,024 or 2,048 new tokens computed on top of it.
+* Arms: ``resident`` (the KV is already in the cache: compute alone), chunk-major (width 0) and layer-major
+  widths, each in both placements: ``server`` (the server process writes the cache over CUDA IPC) and
+  ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
+  one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy).
+* Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
+  vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
+  every released transfer still in flight. Chunk-major serves its transfers one request after another (its
+  best order: the next starts when the previous one completed).
+
+First-token time is from the moment the requests are handed to kvstrata (their LOOKUP already answered, as
+a scheduler has it) until the step that computed the request has its logits. The ceiling of a layer-major
+gain is ``min(transfer, compute) / (transfer + compute)``, transfer being the same placement's chunk-major
+transfer time and compute the resident arm, both measured in the same run.
+
+    python benchmarks/ttft.py --out benchmarks/results/ttft-h200.json      # on the GPU machine
+    python benchmarks/ttft.py --plot benchmarks/results/ttft-h200.json     # the two PNGs (needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head: int = 128
+    mlp: int = 14336
+    vocab: int = 128256
+    block: int = 16
+
+
+# --- the engine's compute --------------------------------------------------------------
+
+
+class Decoder:
+    """Llama-shaped decoder layers with random weights; attention reads the prefix from the paged cache."""
+
+    def __init__(self, s: Shapes, device: torch.device, seed: int = 0) -> None:
+        self.s = s
+        g = torch.Generator(device=device).manual_seed(seed)
+        dt = torch.bfloat16
+
+        def w(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dt)
+
+        qkv = (s.heads + 2 * s.kv_heads) * s.head
+        self.layers = [dict(qkv=w(s.hidden, qkv), o=w(s.heads * s.head, s.hidden), gate_up=w(s.hidden, 2 * s.mlp),
+                            down=w(s.mlp, s.hidden)) for _ in range(s.layers)]
+        self.lm_head = w(s.hidden, s.vocab)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def mask(self, prefix: int, new: int, device: torch.device) -> torch.Tensor:
+        """New token i attends to the whole prefix and to new tokens 0..i."""
+        key = (prefix, new)
+        if key not in self._masks:
+            i = torch.arange(new, device=device)[:, None]
+            j = torch.arange(prefix + new, device=device)[None, :]
+            self._masks[key] = j <= prefix + i
+        return self._masks[key]
+
+    def layer(self, layer: int, x: torch.Tensor, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
+              new: int) -> torch.Tensor:
+        """``x``: ``[len(prefixes) * new, hidden]``; ``prefixes``: per request its ``[P, kv_heads, head]`` K and V."""
+        s, p = self.s, self.layers[layer]
+        h = torch.nn.functional.rms_norm(x, (s.hidden,))
+        qkv = h @ p["qkv"]
+        q, k, v = qkv.split([s.heads * s.head, s.kv_heads * s.head, s.kv_heads * s.head], dim=-1)
+        outs = []
+        for r, (pk, pv) in enumerate(prefixes):
+            rows = slice(r * new, (r + 1) * new)
+            qr = q[rows].view(new, s.heads, s.head).transpose(0, 1)[None]
+            kr = torch.cat([pk, k[rows].view(new, s.kv_heads, s.head)]).repeat_interleave(s.heads // s.kv_heads, 1)
+            vr = torch.cat([pv, v[rows].view(new, s.kv_heads, s.head)]).repeat_interleave(s.heads // s.kv_heads, 1)
+            a = torch.nn.functional.scaled_dot_product_attention(
+                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=self.mask(pk.shape[0], new, x.device))
+            outs.append(a[0].transpose(0, 1).reshape(new, s.heads * s.head))
+        x = x + torch.cat(outs) @ p["o"]
+        h = torch.nn.functional.rms_norm(x, (s.hidden,))
+        gate, up = (h @ p["gate_up"]).chunk(2, dim=-1)
+        return x + (torch.nn.functional.silu(gate) * up) @ p["down"]
+
+    def logits(self, x: torch.Tensor, batch: int, new: int) -> torch.Tensor:
+        last = x.view(batch, new, -1)[:, -1]
+        return torch.nn.functional.rms_norm(last, (self.s.hidden,)) @ self.lm_head
+
+
+def prefix_reader(cache: Any, blocks: list[int], s: Shapes):
+    """A function ``layer -> (K, V)`` of one request's prefix, read from the paged cache in its engine's format."""
+    idx = torch.as_tensor(blocks, dtype=torch.int64, device=cache.device)
+    P = len(blocks) * s.block
+    if cache.format.startswith("vllm"):
+        def read(layer: int):  # vLLM: [blocks, heads, block_size, 2*head], K then V in the last dim
+            kv = cache.kv_caches[layer][idx].permute(0, 2, 1, 3).reshape(P, s.kv_heads, 2 * s.head)
+            return kv[..., :s.head], kv[..., s.head:]
+    elif cache.format == "sglang":
+        slots = (idx[:, None] * s.block + torch.arange(s.block, device=cache.device)[None]).reshape(-1)
+
+        def read(layer: int):  # SGLang: per-layer [slots, heads, head]
+            return cache.k_buffer[layer][slots], cache.v_buffer[layer][slots]
+    elif cache.format == "trtllm":
+        def read(layer: int):  # TensorRT-LLM: [blocks, layers, 2, heads*block*head], HND inside a block
+            kv = cache.pool[idx, layer].view(len(blocks), 2, s.kv_heads, s.block, s.head)
+            kv = kv.permute(1, 0, 3, 2, 4).reshape(2, P, s.kv_heads, s.head)
+            return kv[0], kv[1]
+    else:
+        raise ValueError(f"no prefix reader for format {cache.format!r}")
+    return read
+
+
+# --- layer timing probes ---------------------------------------------------------------
+
+
+class ProbingBackend:
+    """Wraps the engine's CUDA event backend; while ``probe`` is set, each layer wait also records, on an
+    otherwise idle stream, when that slice's bytes landed (the timeline's arrival marks)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name, self.device = inner.name, inner.device
+        self.side = torch.cuda.Stream()
+        self.probe: list[torch.cuda.Event] | None = None
+
+    def wait(self, event: Any) -> None:
+        if self.probe is not None and event is not None:
+            self.side.wait_event(event)
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(self.side)
+            self.probe.append(mark)
+        self.inner.wait(event)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+# --- one engine format, its workers and runs --------------------------------------------
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    blocks: list[int]
+    reader: Any = None
+
+
+@dataclass
+class FormatRig:
+    fmt: str
+    cache: Any
+    requests: list[Request]
+    workers: dict[str, Any] = field(default_factory=dict)
+    backends: dict[str, ProbingBackend] = field(default_factory=dict)
+    staging: list[Any] = field(default_factory=list)
+    register_s: dict[str, float] = field(default_factory=dict)
+
+
+def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
+              chunk: int, instance_base: int):
+    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    from kvstrata.core.engine.staging import StagingStore
+    from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.gpu_caches import GpuKVCache
+
+    nb = prefix // s.block
+    cache = GpuKVCache(fmt, num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
+                       num_blocks=nb * len(prompts) + 1, block_size=s.block)
+    reqs = [Request(i, p, list(range(i * nb, (i + 1) * nb))) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.reader = prefix_reader(cache, r.blocks, s)
+    rig = FormatRig(fmt, cache, reqs)
+    for n, placement in enumerate(placements):
+        backend = ProbingBackend(CudaEventBackend("cuda:0"))
+        if placement == "server":
+            worker = LayerwiseWorker(client, instance_base + n, cache.layout, event_backend=backend)
+        else:
+            staging = StagingStore(cache.layout, cache.region_tensors(), chunk_size=chunk)
+            rig.staging.append(staging)
+            policy = "round_robin" if placement == "worker-rr" else "earliest_released"
+            worker = LayerwiseWorker(client, instance_base + n, cache.layout, placement="worker",
+                                     event_backend=backend, local_regions=cache.region_tensors(),
+                                     registration_layout=staging.layout, transfer_queue_policy=policy)
+        t = time.perf_counter()
+        worker.register()
+        rig.register_s[placement] = round(time.perf_counter() - t, 3)
+        rig.workers[placement], rig.backends[placement] = worker, backend
+    return rig
+
+
+def close_rig(rig: FormatRig) -> None:
+    for w in rig.workers.values():
+        w.close()
+    for st in rig.staging:
+        st.close()
+
+
+_run_ids = iter(range(1 << 30))
+
+
+def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
+            timeline: bool = False) -> dict[str, Any]:
+    """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer)."""
+    from kvstrata.core.store.keys import CacheKey
+
+    s = model.s
+    worker = rig.workers.get(placement)
+    reqs = rig.requests[:conc]
+    tag = next(_run_ids)
+    rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}" for r in reqs]
+    keys = [CacheKey.for_tokens(rid, r.prompt, model="llama") for rid, r in zip(rids, reqs)]
+    if width is not None:
+        for key in keys:  # the scheduler's LOOKUP, answered before the step (locks the chunks)
+            hit = client.lookup(key)
+            if hit != key.num_tokens:
+                raise RuntimeError(f"LOOKUP for {key.request_id} hit {hit} of {key.num_tokens} tokens")
+    xs = [torch.randn(new, s.hidden, device="cuda", dtype=torch.bfloat16) for _ in reqs]
+    stream = torch.cuda.current_stream()
+    backend = rig.backends.get(placement)
+    marks: dict[str, list[torch.cuda.Event]] = {"arrived": [], "usable": [], "computed": []}
+    t0_ev = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if timeline and backend is not None:
+        backend.probe = marks["arrived"]
+    t0 = time.perf_counter()
+    t0_ev.record(stream)
+    if backend is not None:
+        backend.side.wait_event(t0_ev)
+    serial = width == 0  # chunk-major: one request after another
+    submitted = 0
+
+    def submit_next() -> None:
+        nonlocal submitted
+        i = submitted
+        worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_stage=width)
+        submitted += 1
+
+    released: list[int] = []
+    if width is None:
+        released = list(range(conc))
+    else:
+        for _ in range(1 if serial else conc):
+            submit_next()
+
+    def poll() -> None:
+        if width is None:
+            return
+        if serial and submitted < conc:
+            rec = worker.records.get(rids[submitted - 1])
+            if rec is not None and (rec.completed_at is not None or rec.failure):
+                submit_next()
+        for rid in worker.get_finished():
+            released.append(rids.index(rid))
+
+    ttft: dict[int, float] = {}
+    steps = []
+    while len(ttft) < conc:
+        poll()
+        batch = [i for i in released if i not in ttft]
+        if not batch:
+            time.sleep(2e-5)
+            continue
+        step_start = time.perf_counter() - t0
+        x = torch.cat([xs[i] for i in batch])
+        for layer in range(s.layers):
+            if width is not None:
+                worker.wait_for_layer(layer)
+            if timeline:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                marks["usable"].append(ev)
+            x = model.layer(layer, x, [reqs[i].reader(layer) for i in batch], new)
+            if timeline:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                marks["computed"].append(ev)
+        model.logits(x, len(batch), new)
+        done = torch.cuda.Event()
+        done.record(stream)
+        while not done.query():  # the engine's CPU stays free: keep serving the transfers meanwhile
+            poll()
+            time.sleep(2e-5)
+        t = time.perf_counter() - t0
+        steps.append({"requests": batch, "start_ms": step_start * 1e3, "end_ms": t * 1e3})
+        for i in batch:
+            ttft[i] = t
+    out: dict[str, Any] = {"ttft_ms": [ttft[i] * 1e3 for i in range(conc)], "steps": steps}
+    if width is not None:
+        worker.wait_all()
+        recs = [worker.records.pop(rid) for rid in rids]
+        bad = [r for r in recs if r.failure or r.fallback]
+        if bad:
+            raise RuntimeError(f"a load failed or fell back: {bad[0]}")
+        out["release_ms"] = [(r.released_at - t0) * 1e3 for r in recs]
+        out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
+    torch.cuda.synchronize()
+    if timeline:
+        if backend is not None:
+            backend.probe = None
+        out["timeline"] = {k: [t0_ev.elapsed_time(e) for e in v] for k, v in marks.items()}
+    return out
+
+
+def verify(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int, truth: torch.Tensor,
+           new: int) -> bool:
+    """Byte-exact check of request 0's prefix after a load in this arm (run once, untimed)."""
+    r = rig.requests[0]
+    rig.cache.poison(r.blocks)
+    run_arm(rig, client, model, placement, width, 1, new)
+    exact = bool(rig.cache.read(r.blocks, 0, len(r.blocks) * model.s.block).equal(truth))
+    # and the attention reads what was loaded: the format's prefix reader against the canonical bytes
+    for layer in (0, model.s.layers - 1):
+        k, v = r.reader(layer)
+        exact &= bool(k.contiguous().view(torch.uint8).view_as(truth[0, layer]).equal(truth[0, layer]))
+        exact &= bool(v.contiguous().view(torch.uint8).view_as(truth[1, layer]).equal(truth[1, layer]))
+    return exact
+
+
+# --- the whole run -----------------------------------------------------------------------
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    p90 = v[min(len(v) - 1, int(round(0.9 * (len(v) - 1))))]
+    return {"mean": round(statistics.fmean(v), 3), "median": round(statistics.median(v), 3), "p90": round(p90, 3),
+            "min": round(v[0], 3), "max": round(v[-1], 3), "n": len(v)}
+
+
+def arm_name(placement: str | None, width: int | None) -> str:
+    if width is None:
+        return "resident"
+    return f"{placement}/" + ("chunk" if width == 0 else f"w{width}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefix", type=int, default=15104, help="cached prefix tokens per request")
+    p.add_argument("--new", default="256,1024,2048", help="new tokens per request, concurrency 1")
+    p.add_argument("--formats", default=",".join(ENGINE_FORMATS))
+    p.add_argument("--widths", default="0,1,2,4,8", help="0 = chunk-major")
+    p.add_argument("--placements", default="server,worker,worker-rr")
+    p.add_argument("--concurrency", default="2,4,8")
+    p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--concurrency-reps", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--pool-gib", type=float, default=32.0, help="the server's L1 pool (registered for DMA by each "
+                                                                "engine-executed worker: its cost is recorded)")
+    p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.plot:
+        from ttft_plots import draw
+
+        for path in draw(args.plot):
+            print(path)
+        return 0
+    if not torch.cuda.is_available():
+        print("benchmarks/ttft.py needs a CUDA device", file=sys.stderr)
+        return 2
+    from transfer import device_info
+
+    from kvstrata.core.store.keys import CacheKey
+    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.native import cuda_ext
+
+    s = Shapes()
+    if args.prefix % args.chunk or args.chunk % s.block:
+        raise SystemExit("--prefix must be a multiple of --chunk, and --chunk of the block size 16")
+    formats = [f for f in args.formats.split(",") if f]
+    widths = [int(w) for w in args.widths.split(",")]
+    placements = [x for x in args.placements.split(",") if x]
+    if "server" not in placements:
+        raise SystemExit("--placements must include server: the prefixes are stored through it")
+    news = [int(n) for n in args.new.split(",")]
+    concs = [int(c) for c in args.concurrency.split(",") if c]
+    max_conc = max([1, *concs])
+    cuda_ext.load()
+    torch.manual_seed(0)
+    result: dict[str, Any] = {
+        "benchmark": "ttft", "device": device_info(),
+        "config": {"prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
+                   "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
+                   "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
+                   "pool_gib": args.pool_gib,
+                   "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
+                            "bf16 random weights",
+                   "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
+        "formats": {}, "errors": {}}
+    model = Decoder(s, torch.device("cuda"))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32000, (args.prefix,), generator=gen).tolist() for _ in range(max_conc)]
+    pool_bytes = int(args.pool_gib * (1 << 30))
+    with ServerProcess(l1_bytes=pool_bytes, chunk_size=args.chunk, log_level="WARNING") as srv:
+        client = CacheClient(srv.address, timeout=120.0)
+        truth = None
+        try:
+            for f_index, fmt in enumerate(formats):
+                t_fmt = time.perf_counter()
+                rig = build_rig(fmt, client, s, prompts, args.prefix, placements, args.chunk, 10 * (f_index + 1))
+                try:
+                    fres: dict[str, Any] = {"register_s": rig.register_s}
+                    if truth is None:  # store every request's prefix once (the server's objects are format-free)
+                        storer = rig.workers["server"]
+                        backend = rig.backends["server"]
+                        t = time.perf_counter()
+                        for r in rig.requests:
+                            kv = torch.randn(2, s.layers, args.prefix, s.kv_heads, s.head, device="cuda",
+                                             dtype=torch.bfloat16).view(torch.uint8)
+                            rig.cache.write(kv, r.blocks)
+                            if r.index == 0:
+                                truth = kv.clone()
+                            del kv
+                            torch.cuda.synchronize()
+                            key = CacheKey.for_tokens(f"store-{r.index}", r.prompt, model="llama")
+                            reply = client.store(key, storer.instance_id, [r.blocks],
+                                                 event_handle=backend.store_event_handle())
+                            if reply["stored_tokens"] != args.prefix:
+                                raise RuntimeError(f"stored {reply['stored_tokens']} of {args.prefix} tokens")
+                        result["store_s"] = round(time.perf_counter() - t, 2)
+                    else:  # fill this format's cache (the resident arm reads it), untimed
+                        run_arm(rig, client, model, "server", 0, max_conc, 256)
+                    fres["verified"] = {f"{pl}/w{w}": verify(rig, client, model, pl, w, truth, 256)
+                                        for pl in placements for w in sorted({0, 1, max(widths)})}
+                    arms = [(None, None)] + [(pl, w) for pl in placements for w in widths]
+                    fres["concurrency_1"] = {}
+                    for new in news:
+                        run_arm(rig, client, model, placements[0], widths[0], 1, new)  # warm this size's kernels
+                        runs: dict[str, list[dict]] = {arm_name(pl, w): [] for pl, w in arms}
+                        for rep in range(args.reps):
+                            order = arms[rep % len(arms):] + arms[:rep % len(arms)]
+                            for pl, w in order:
+                                runs[arm_name(pl, w)].append(run_arm(rig, client, model, pl, w, 1, new))
+                        fres["concurrency_1"][str(new)] = {
+                            name: {"ttft_ms": summarize([r["ttft_ms"][0] for r in rs]),
+                                   **({"transfer_ms": summarize([r["transfer_ms"][0] for r in rs]),
+                                       "release_ms": summarize([r["release_ms"][0] for r in rs])}
+                                      if "transfer_ms" in rs[0] else {})}
+                            for name, rs in runs.items()}
+                        if fmt == formats[0] and new == 1024:
+                            fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
+                                                for pl in placements if pl != "worker-rr"}
+                            fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
+                                                                   timeline=True)
+                    fres["concurrency"] = {}
+                    for conc in concs:
+                        runs = {arm_name(pl, w): [] for pl, w in arms}
+                        for rep in range(args.concurrency_reps):
+                            order = arms[rep % len(arms):] + arms[:rep % len(arms)]
+                            for pl, w in order:
+                                runs[arm_name(pl, w)].append(run_arm(rig, client, model, pl, w, conc,
+                                                                     args.concurrency_new))
+                        fres["concurrency"][str(conc)] = {
+                            name: {"ttft_ms": summarize([t for r in rs for t in r["ttft_ms"]]),
+                                   "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs]}
+                            for name, rs in runs.items()}
+                    fres["elapsed_s"] = round(time.perf_counter() - t_fmt, 1)
+                    result["formats"][fmt] = fres
+                except Exception as exc:
+                    result["errors"][fmt] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                    print(f"[{fmt}] FAILED: {exc}", file=sys.stderr)
+                finally:
+                    close_rig(rig)
+                    del rig
+                    torch.cuda.empty_cache()
+                print(f"[{fmt}] {time.perf_counter() - t_fmt:.1f} s", file=sys.stderr, flush=True)
+        finally:
+            client.close()
+    result["targets"] = evaluate(result, placements, widths)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["targets"], indent=1))
+    return 0 if not result["errors"] else 1
+
+
+def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -> dict[str, Any]:
+    """Issue 19's first-token targets, per format and placement, from this run's own arms."""
+    out: dict[str, Any] = {}
+    layer_widths = [w for w in widths if w > 0]
+    for fmt, fres in result["formats"].items():
+        for pl in placements:
+            rows = {}
+            for new, arms in fres.get("concurrency_1", {}).items():
+                compute = arms["resident"]["ttft_ms"]["median"]
+                chunk = arms[f"{pl}/chunk"]
+                transfer = chunk["transfer_ms"]["median"]
+                base = chunk["ttft_ms"]["median"]
+                ceiling = min(transfer, compute) / (transfer + compute)
+                best_w = min(layer_widths, key=lambda w: arms[f"{pl}/w{w}"]["ttft_ms"]["median"])
+                best = arms[f"{pl}/w{best_w}"]["ttft_ms"]["median"]
+                gain = 1 - best / base
+                rows[new] = {"compute_ms": compute, "transfer_ms": transfer, "chunk_major_ttft_ms": base,
+                             "best_width": best_w, "best_ttft_ms": best, "gain": round(gain, 4),
+                             "ceiling": round(ceiling, 4), "fraction_of_ceiling": round(gain / ceiling, 3),
+                             "met_85pct": gain >= 0.85 * ceiling}
+            conc_rows = {}
+            for conc, arms in fres.get("concurrency", {}).items():
+                chunk = arms[f"{pl}/chunk"]["ttft_ms"]
+                best_w = min(layer_widths, key=lambda w: arms[f"{pl}/w{w}"]["ttft_ms"]["mean"])
+                best = arms[f"{pl}/w{best_w}"]["ttft_ms"]
+                conc_rows[conc] = {"chunk_major_mean_ms": chunk["mean"], "chunk_major_p90_ms": chunk["p90"],
+                                   "best_width": best_w, "mean_ms": best["mean"], "p90_ms": best["p90"],
+                                   "mean_change": round(best["mean"] / chunk["mean"] - 1, 4),
+                                   "never_worse": best["mean"] <= chunk["mean"] and best["p90"] <= chunk["p90"]}
+            out[f"{fmt}/{pl}"] = {"concurrency_1": rows, "concurrency": conc_rows}
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
