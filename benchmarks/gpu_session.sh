@@ -2,11 +2,11 @@
 # One GPU-machine session: build the extension, run the GPU tests, profile a retrieve, run the transfer
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
-#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer; default all]
-#   (TRANSFER_ARGS: more arguments for transfer.py, e.g. --ab no_defer=--no-deferred-replies)
+#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft; default all]
+#   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab no_defer=--no-deferred-replies)
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
-phases="${2:-tests,profile,transfer}"
+phases="${2:-tests,profile,transfer,ttft}"
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -15,6 +15,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
 echo "${KVSTRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} (KVSTRATA_COMMIT, else the copied checkout)" > "$out/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$out/gpu.txt"
+df -h /dev/shm >> "$out/gpu.txt"; free -g >> "$out/gpu.txt"
 t=$(date +%s); python3 -c "from kvstrata.native import cuda_ext; cuda_ext.load()" || exit 1
 echo "extension built in $(( $(date +%s) - t )) s"
 rc=0
@@ -23,7 +24,11 @@ if [[ ",$phases," == *",tests,"* ]]; then
   timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider --timeout 60 \
     > "$out/gpu-tests.log" 2>&1 || rc=1
   tail -3 "$out/gpu-tests.log"
-  if [[ $rc != 0 ]]; then grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20; exit $rc; fi
+  if [[ $rc != 0 ]]; then grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20; if [[ ",$phases," == *",ttft,"* ]]; then
+  timeout "${TTFT_TIMEOUT_S:-540}" python3 benchmarks/ttft.py ${TTFT_ARGS:-} --out "$out/ttft.json" > "$out/ttft.txt" 2>&1 || rc=1
+  tail -40 "$out/ttft.txt"
+fi
+exit $rc; fi
 fi
 if [[ ",$phases," == *",profile,"* ]]; then
   timeout 150 python3 benchmarks/profile_retrieve.py --reps 7 --widths 0,1,32 --out "$out/profile-retrieve.json" \
@@ -33,5 +38,9 @@ fi
 if [[ ",$phases," == *",transfer,"* ]]; then
   timeout 300 python3 benchmarks/transfer.py --modes staged --reps 15 ${TRANSFER_ARGS:-} --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
   tail -25 "$out/transfer.txt"
+fi
+if [[ ",$phases," == *",ttft,"* ]]; then
+  timeout "${TTFT_TIMEOUT_S:-540}" python3 benchmarks/ttft.py ${TTFT_ARGS:-} --out "$out/ttft.json" > "$out/ttft.txt" 2>&1 || rc=1
+  tail -40 "$out/ttft.txt"
 fi
 exit $rc

@@ -57,6 +57,11 @@ class CudaEventBackend:
             return
         torch.cuda.current_stream(self.index).wait_event(event)
 
+    def landed(self, event: Any) -> bool:
+        """Whether ``event`` completed (``cudaEventQuery``; an event never recorded reports complete, which is
+        why the board count, raised only after recording, comes first)."""
+        return event is None or event.query()
+
     def wait_for_engine_writes(self) -> None:
         """Block until the engine's current stream has run what it queued (a STORE reads the cache next)."""
         torch.cuda.current_stream(self.index).synchronize()

@@ -98,3 +98,16 @@ def test_rejects_slices_outside_the_layer_range():
         g.record_slice(3, 2)
     with pytest.raises(ValueError):
         LayerArrivalGate(4, release_after_layers=0)
+
+
+def test_release_waits_until_the_first_slices_bytes_have_landed():
+    """On a GPU a slice is recorded when its copy is enqueued; the request goes back only once it ran."""
+    landed = {"s0": False, "s1": False}
+    g = LayerArrivalGate(4, release_after_layers=2)
+    g.record_slice(0, 1, "s0")
+    g.record_slice(1, 3, "s1")
+    assert g.release_ready() and not g.release_ready(landed.get)
+    landed["s0"] = True
+    assert not g.release_ready(landed.get), "layer 1's slice has not landed yet"
+    landed["s1"] = True
+    assert g.release_ready(landed.get)

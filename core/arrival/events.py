@@ -53,6 +53,9 @@ class EventBackend(Protocol):
     def wait(self, event: Any) -> None:
         """Make the engine's current stream wait for ``event`` (after the board covered it)."""
 
+    def landed(self, event: Any) -> bool:
+        """Whether the copy ``event`` marks has run (never blocks): a request is released on a landed slice."""
+
     def wait_for_engine_writes(self) -> None:
         """Block until what the engine has queued so far has written its cache (a STORE is about to read it)."""
 
@@ -74,6 +77,9 @@ class HostEventBackend:
 
     def wait(self, event: Any) -> None:
         return None
+
+    def landed(self, event: Any) -> bool:
+        return True  # a CPU copy has run when its slice is published
 
     def wait_for_engine_writes(self) -> None:
         return None  # a CPU engine's forward has returned, so its writes are done

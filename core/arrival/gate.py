@@ -88,9 +88,27 @@ class LayerArrivalGate:
         with self._cond:
             return self._contiguous == self.num_layers
 
-    def release_ready(self) -> bool:
+    def release_ready(self, landed: Callable[[Any], bool] | None = None) -> bool:
+        """Whether the request may go back to the engine: its first ``release_after_layers`` layers are recorded
+        and, if ``landed`` is given, each of their slices' completions says the bytes are in place.
+
+        Recorded is not landed on a GPU: a slice's event is recorded when the copy is enqueued. Releasing
+        then would let the engine batch a request whose copies sit behind other loads' in the copy engine,
+        and that step would wait for all of them; so the worker asks ``landed`` (``EventBackend.landed``).
+        """
         with self._cond:
-            return self._contiguous >= self.release_after_layers
+            if self._contiguous < self.release_after_layers:
+                return False
+            if landed is None:
+                return True
+            seen = set()
+            for layer in range(self.release_after_layers):
+                s = self._slice_of_layer[layer]
+                if id(s) not in seen:
+                    seen.add(id(s))
+                    if not landed(s.completion):
+                        return False
+            return True
 
     def has_layer(self, layer: int) -> bool:
         with self._cond:

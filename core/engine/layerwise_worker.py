@@ -253,7 +253,7 @@ class LayerwiseWorker:
                     inf.refresh()
                 # A request the engine already gave up on goes back only once settled: the
                 # engine frees its blocks on that report, and a copy must not outlive them.
-                ready = inf.gate.release_ready() and not inf.engine_done
+                ready = inf.gate.release_ready(self._event_backend.landed) and not inf.engine_done
                 self._collect(inf)
                 if not inf.released and (ready or inf.settled):
                     # A failed retrieve is released too: the engine must get the request
