@@ -188,7 +188,7 @@ class FormatRig:
 def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
               chunk: int, instance_base: int):
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
-    from kvstrata.core.engine.staging import StagingStore
+    from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -204,7 +204,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         if placement == "server":
             worker = LayerwiseWorker(client, instance_base + n, cache.layout, event_backend=backend)
         else:
-            staging = StagingStore(cache.layout, cache.region_tensors(), chunk_size=chunk)
+            staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
             policy = "round_robin" if placement == "worker-rr" else "earliest_released"
             worker = LayerwiseWorker(client, instance_base + n, cache.layout, placement="worker",

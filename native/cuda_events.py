@@ -66,11 +66,11 @@ class CudaEventBackend:
         """Block until the engine's current stream has run what it queued (a STORE reads the cache next)."""
         torch.cuda.current_stream(self.index).synchronize()
 
-    def local_copier(self, layout: Any, regions: Any, pool: torch.Tensor) -> Any:
+    def local_copier(self, layout: Any, regions: Any, pool: torch.Tensor, writable: bool = False) -> Any:
         """Worker placement on this GPU: the engine's own copies (see ``CudaLocalCopier``)."""
         from kvstrata.native.cuda_executor import CudaLocalCopier
 
-        return CudaLocalCopier(layout, regions, pool, self.index)
+        return CudaLocalCopier(layout, regions, pool, self.index, writable=writable)
 
     def store_event_handle(self, stream: torch.cuda.Stream | None = None) -> bytes:
         """Record this backend's STORE event on ``stream`` (default: current) and return its handle.

@@ -52,7 +52,7 @@ import torch
 
 from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import PagedKVLayout
-from kvstrata.core.transfer.planner import TransferJob
+from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
 
 log = logging.getLogger(__name__)
 
@@ -852,14 +852,16 @@ class CudaLocalCopier:
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
-                 device_index: int, config: CudaTransferConfig | None = None) -> None:
+                 device_index: int, config: CudaTransferConfig | None = None, *, writable: bool = False) -> None:
+        """``writable``: the pool is mapped writable here and registered so, for engine-executed stores."""
         t0 = time.perf_counter()
         self.pool = pool
-        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=True,
+        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable,
                                          stream_priority=-1)
         self.register_s = time.perf_counter() - t0
-        log.info("engine-executed loads on cuda:%d: %d MiB L1 pool registered for DMA in %.3f s", device_index,
-                 pool.numel() >> 20, self.register_s)
+        log.info("engine-executed %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
+                 "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,
+                 "" if writable else " (read-only)", self.register_s)
 
     def executor(self, spans: Sequence[tuple[int, int]]) -> "CudaExecutor | TorchCudaExecutor":
         if self.engine.pool is None:  # torch mode: tensor views (the pool is not pinned by the extension there)
@@ -876,6 +878,35 @@ class CudaLocalCopier:
     def finish(self, last_completion: torch.cuda.Event | None) -> None:
         if last_completion is not None:
             last_completion.synchronize()  # releases the GIL while it waits
+
+    def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
+        e = self.engine
+        with torch.cuda.device(e.index):
+            queued = torch.cuda.Event()
+            queued.record(torch.cuda.current_stream(e.index))  # the forward that wrote these blocks
+            e.stream.wait_event(queued)  # this process's streams wait on the GPU; the engine's does not
+            if e.copy_stream is not None:
+                e.copy_stream.wait_event(queued)
+            try:
+                for offset, tokens, position in spans:
+                    job = TransferJob(e.layout, block_ids, [ChunkCopy(0, 0, tokens, position)])
+                    executor = self.executor([(offset, tokens)])
+                    try:
+                        executor.gather(job)
+                    finally:
+                        close = getattr(executor, "close", None)
+                        if close is not None:
+                            close()
+            except BaseException:
+                e.synchronize()  # nothing enqueued may still write into objects about to be dropped
+                raise
+            if e.copy_stream is not None:
+                copied = torch.cuda.Event()
+                copied.record(e.copy_stream)
+                e.stream.wait_event(copied)
+            done = torch.cuda.Event()
+            done.record(e.stream)
+        return done
 
     def close(self) -> None:
         self.engine.close()

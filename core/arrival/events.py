@@ -36,6 +36,11 @@ class LocalCopier(Protocol):
         """Block the calling (transfer) thread until the slice ``last_completion`` marks has run, and with it
         every slice enqueued before it (then the locks may go). None: nothing is pending."""
 
+    def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> Any:
+        """STORE: copy the cache's blocks into reserved pool objects given as (byte offset, tokens, first
+        position), after what the engine has queued so far (its forward's writes), without making the engine
+        wait; returns what :meth:`finish` waits on. On an error nothing it enqueued is still running."""
+
     def close(self) -> None:
         ...
 
@@ -60,9 +65,10 @@ class EventBackend(Protocol):
         """Block until what the engine has queued so far has written its cache (a STORE is about to read it)."""
 
     def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
-                     pool: "torch.Tensor") -> LocalCopier:
+                     pool: "torch.Tensor", writable: bool = False) -> LocalCopier:
         """Worker placement, once per mapping of the server's pool (at registration): the copies into
-        ``regions`` (this process's cache) from ``pool``; on a GPU this is where the pool is registered for DMA."""
+        ``regions`` (this process's cache) from ``pool``, and with ``writable`` (stores) back into it; on a GPU
+        this is where the pool is registered for DMA."""
 
 
 class HostEventBackend:
@@ -85,7 +91,7 @@ class HostEventBackend:
         return None  # a CPU engine's forward has returned, so its writes are done
 
     def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
-                     pool: "torch.Tensor") -> LocalCopier:
+                     pool: "torch.Tensor", writable: bool = False) -> LocalCopier:
         return HostCopier(layout, list(regions), pool)
 
 
@@ -110,6 +116,18 @@ class HostCopier:
         return None
 
     def finish(self, last_completion: Any) -> None:
+        return None
+
+    def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> Any:
+        from kvstrata.core.store.l1_store import span_view
+        from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
+        from kvstrata.core.transfer.torch_executor import TorchExecutor
+
+        signature = self.layout.shape_signature()
+        for offset, tokens, position in spans:
+            obj = span_view(self.pool, signature, offset, tokens)
+            job = TransferJob(self.layout, block_ids, [ChunkCopy(0, 0, tokens, position)])
+            TorchExecutor(self.regions, [obj]).gather(job)
         return None
 
     def close(self) -> None:

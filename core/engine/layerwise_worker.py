@@ -91,7 +91,8 @@ class LayerwiseWorker:
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 shm_rings: bool = True, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED) -> None:
+                 shm_rings: bool = True, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
+                 pool_writable: bool = False) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -100,8 +101,8 @@ class LayerwiseWorker:
         self.instance_id = instance_id
         self.layout = layout
         self.registration_layout = registration_layout or layout
-        """What the server is told: the engine cache itself, or (worker placement) the staging
-        area it gathers STOREs from; either way it must share ``layout``'s shape signature."""
+        """What the server is told: the engine cache itself, or (worker placement) a
+        ``RegistrationArea``; either way it must share ``layout``'s shape signature."""
         if self.registration_layout.shape_signature() != layout.shape_signature():
             raise ValueError("registration_layout must hold the same (kv, layers, heads, head_bytes) as layout")
         self.placement = placement
@@ -125,6 +126,9 @@ class LayerwiseWorker:
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout) \
             if placement == PLACEMENT_WORKER else None
+        self.pool_writable = pool_writable
+        """Worker placement: map the server's pool writable too, so this process STOREs by copying into
+        objects the server reserved (:meth:`store_to_pool`); otherwise it is mapped read-only."""
         self.shm_rings = shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
         sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake)."""
@@ -220,17 +224,45 @@ class LayerwiseWorker:
 
     def _map_l1_pool(self, pool: dict[str, Any]) -> torch.Tensor:
         if self._l1_pool is None or self._l1_pool.name != pool["name"]:
-            seg = Segment.attach(pool["name"], int(pool["size"]), readonly=True)
+            seg = Segment.attach(pool["name"], int(pool["size"]), readonly=not self.pool_writable)
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only mapping: we never write through it
+                warnings.simplefilter("ignore")  # a read-only mapping: loads never write through it
                 tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
             if self._copier is not None:
                 self._copier.close()  # the server restarted with a new pool
-            self._copier = self._event_backend.local_copier(self.layout, self.local_regions, tensor)
+            self._copier = self._event_backend.local_copier(self.layout, self.local_regions, tensor,
+                                                            writable=self.pool_writable)
             if self._l1_pool is not None:
                 self._l1_pool.close()
             self._l1_tensor, self._l1_pool = tensor, seg
         return self._l1_tensor
+
+    def store_to_pool(self, key: CacheKey, block_ids: Sequence[Sequence[int]],
+                      skip_first_n_tokens: int = 0) -> dict[str, Any]:
+        """Worker placement STORE: RESERVE_STORE the chunks not stored yet, copy the blocks into those
+        objects with this process's copier, then COMMIT_STORE once the copies have landed (or drop the
+        reservation if they failed: a half-written object is never committed).
+
+        Blocks the calling thread until the copies have run. On a GPU they run on this process's copy
+        streams after the work the engine has queued so far; the engine's own stream never waits for them.
+        """
+        if self.placement != PLACEMENT_WORKER or not self.pool_writable:
+            raise RuntimeError("store_to_pool needs worker placement with pool_writable=True")
+        blocks = [list(map(int, g)) for g in block_ids]
+        self.layout.check_block_ids(blocks, key.num_tokens)
+        reply = self.client.reserve_store(key, self.instance_id, skip_first_n_tokens)
+        landed = False
+        try:
+            if reply["objects"]:
+                copier = self._copier_for(reply["pool"])
+                spans = [(int(off), int(tokens), int(start)) for off, _, tokens, start in reply["objects"]]
+                copier.finish(copier.gather(spans, blocks))
+            landed = True
+        finally:
+            committed = self.client.commit_store(int(reply["reservation"]), landed)
+        if reply.get("full"):
+            log.warning("STORE of %s kept %d tokens: %s", key.request_id, committed["stored_tokens"], reply["full"])
+        return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
 
     def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
         self._map_l1_pool(pool)

@@ -70,8 +70,9 @@ class RuntimeSettings:
     turning kvstrata on never changes an engine's CUDA graph mode by itself."""
     placement: str = PLACEMENT_AUTO
     """Who runs the copies: ``server`` (the server writes the engine's cache: shared memory or CUDA
-    IPC), ``worker`` (this process copies from the server's L1 pool, mapped read-only) or ``auto``:
-    server placement where the cache can be opened by the server, worker placement otherwise."""
+    IPC), ``worker`` (this process copies between its cache and the server's L1 pool) or ``auto``:
+    worker placement for a GPU cache (faster under the engine's compute, see benchmarks/ttft.py), server
+    placement for a CPU cache the server can open, worker placement otherwise."""
     model_name: str | None = None
     lookup_timeout: float = 2.0
     layer_wait_timeout: float = 10.0

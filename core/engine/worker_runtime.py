@@ -35,7 +35,7 @@ from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
 from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
-from kvstrata.core.engine.staging import StagingStore
+from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
@@ -63,7 +63,7 @@ class WorkerRuntime:
         self.description: KVCacheDescription | None = None
         self.placement: str | None = None
         self.event_backend: EventBackend | None = None
-        self.staging: StagingStore | None = None
+        self.registration_area: RegistrationArea | None = None
         self._engine_ids: dict[str, Any] = {}
         self._released: set[str] = set()
         self._finished_unreleased: set[str] = set()
@@ -91,13 +91,26 @@ class WorkerRuntime:
                 raise ValueError(f"placement {wanted!r}: adapter {self.adapter.name!r} supports {supported}")
             return wanted, self.adapter.describe_kv_cache(kv_caches, wanted)
         reasons = []
+        if PLACEMENT_WORKER in supported:
+            # A GPU cache: the engine's own copies, which its compute does not time-slice the way a server
+            # process's kernels are (benchmarks/ttft.py). A CPU cache: the server's copies, if it can open it.
+            try:
+                described = self.adapter.describe_kv_cache(kv_caches, PLACEMENT_WORKER)
+            except NotSupported as exc:
+                reasons.append(f"{PLACEMENT_WORKER}: {exc}")
+            else:
+                if described.device.startswith("cuda"):
+                    log.info("kvstrata placement worker (placement auto: a %s cache is loaded and stored by "
+                             "this process's own copies)", described.device)
+                    return PLACEMENT_WORKER, described
         for placement in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             if placement not in supported:
                 continue
             try:
                 described = self.adapter.describe_kv_cache(kv_caches, placement)
             except NotSupported as exc:
-                reasons.append(f"{placement}: {exc}")
+                if not any(r.startswith(f"{placement}:") for r in reasons):
+                    reasons.append(f"{placement}: {exc}")
                 continue
             if reasons:
                 log.info("kvstrata placement %s (placement auto; %s)", placement, "; ".join(reasons))
@@ -118,14 +131,15 @@ class WorkerRuntime:
             registration = None
             if self.placement == PLACEMENT_WORKER:
                 info = self.client.transport.call(RequestType.SERVER_INFO, [], timeout=s.lookup_timeout)
-                self.staging = self.staging or StagingStore(d.layout, d.local_regions,
-                                                            chunk_size=int(info["chunk_size"]))
-                registration = self.staging.layout
+                self.registration_area = self.registration_area or RegistrationArea(
+                    d.layout, chunk_size=int(info["chunk_size"]))
+                registration = self.registration_area.layout
             transfers = LayerwiseWorker(
                 self.client, self.instance_id, d.layout, placement=self.placement, event_backend=self.event_backend,
                 local_regions=list(d.local_regions) if self.placement == PLACEMENT_WORKER else None,
                 registration_layout=registration, pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
-                retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy)
+                retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy,
+                pool_writable=s.store)
             transfers.register()
         except Exception as exc:
             log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)
@@ -283,7 +297,8 @@ class WorkerRuntime:
         stores = list(stores)
         if not stores or not self._connect():
             return
-        self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
+        if self.placement != PLACEMENT_WORKER:  # worker placement orders its copies after them itself
+            self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
         for spec in stores:
             try:
                 reply = self._store_one(spec)
@@ -306,8 +321,7 @@ class WorkerRuntime:
         key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                         world_size=self.world_size)
         if self.placement == PLACEMENT_WORKER:
-            return self.staging.store(self.client, self.instance_id, key, spec.block_ids,
-                                      skip_first_n_tokens=spec.skip)
+            return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip)
         return self.client.store(key, self.instance_id, [list(g) for g in spec.block_ids],
                                  skip_first_n_tokens=spec.skip)
 
@@ -330,7 +344,7 @@ class WorkerRuntime:
                                            timeout=self.settings.lookup_timeout)
             except Exception as exc:  # the server is gone or restarted: nothing of ours is left to free
                 log.debug("unregistering instance %d at shutdown: %s", self.instance_id, exc)
-        if self.staging is not None:
-            self.staging.close()
+        if self.registration_area is not None:
+            self.registration_area.close()
         self.client.close()
         self.record.close()

@@ -51,6 +51,18 @@ class ServerConfig:
 
 
 @dataclass
+class _Reservation:
+    """L1 objects an engine copies a prompt's chunks into itself (worker placement); uncommitted until it says
+    the copies landed, so no LOOKUP sees them and no eviction frees them meanwhile."""
+
+    instance_id: int
+    owner: bytes | None
+    request_id: str
+    objects: list[tuple[StoredObject, int]]
+    """(object, tokens)"""
+
+
+@dataclass
 class _Instance:
     instance_id: int
     layout: PagedKVLayout
@@ -101,6 +113,8 @@ class CacheServer:
         self._instances: dict[int, _Instance] = {}
         self._boards: dict[str, ArrivalBoard] = {}
         self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._next_reservation = 1
         """Per request holding lookup locks: its LOOKUP's key and digests, so RETRIEVE need not hash again."""
         self._lock = threading.Lock()
         self._busy_polling = False
@@ -116,6 +130,8 @@ class CacheServer:
             RequestType.RETRIEVE: self.retrieve,
             RequestType.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
             RequestType.END_SESSION: self.end_session,
+            RequestType.RESERVE_STORE: self.reserve_store,
+            RequestType.COMMIT_STORE: self.commit_store,
         }
         self.metrics = ServerMetrics(self)
         self.metrics_port: int | None = None
@@ -320,6 +336,83 @@ class CacheServer:
             return {"stored_tokens": stored, "skipped_tokens": skipped}
 
         return self._answer(inst.target, done, settle)
+
+    def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
+        """Worker placement: reserve objects for the key's chunks that are not stored yet; the engine copies
+        into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
+        ck = CacheKey.from_wire(key)
+        n = ck.num_tokens
+        inst = self._acquire(instance_id)
+        try:
+            if inst.placement != PLACEMENT_WORKER:
+                raise RequestError(f"instance {instance_id} is registered in {inst.placement} placement: the "
+                                   "server gathers its STOREs itself; RESERVE_STORE is for worker placement")
+            if not 0 <= skip_first_n_tokens <= n:
+                raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's "
+                                   "tokens)")
+            layout, cs = inst.layout, self.config.chunk_size
+            reserved: list[tuple[StoredObject, int]] = []
+            objects, skipped, full = [], 0, None
+            for index, digest in enumerate(ck.iter_chunk_hashes(cs)):
+                start = index * cs
+                count = min(cs, n - start)
+                if start + count <= skip_first_n_tokens:
+                    skipped += count
+                    continue
+                try:
+                    obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
+                except StoreFull as exc:
+                    full = str(exc)  # reserve what fits, from the prompt's start; the rest is not stored
+                    break
+                if obj is None:
+                    skipped += count
+                    continue
+                reserved.append((obj, count))
+                objects.append([obj.offset, obj.nbytes, count, start])
+            with self._lock:
+                rid = self._next_reservation
+                self._next_reservation += 1
+                self._reservations[rid] = _Reservation(instance_id, self.transport.current_client(), ck.request_id,
+                                                       reserved)
+        finally:
+            self._release(inst)
+        return {"reservation": rid, "objects": objects, "skipped_tokens": skipped, "full": full,
+                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+
+    def commit_store(self, reservation: int, landed: bool) -> dict[str, Any]:
+        """Commit a reservation whose copies the engine saw complete, or drop it (``landed`` false)."""
+        with self._lock:
+            res = self._reservations.get(reservation)
+            caller = self.transport.current_client()
+            if res is None:
+                raise RequestError(f"no store reservation {reservation} (committed or dropped already, or its "
+                                   "instance was unregistered)")
+            if res.owner is not None and caller is not None and caller != res.owner:
+                raise RequestError(f"store reservation {reservation} belongs to another connection")
+            del self._reservations[reservation]
+        stored = stored_bytes = 0
+        for obj, count in res.objects:
+            if landed:
+                self.store.commit(obj)
+                stored, stored_bytes = stored + count, stored_bytes + obj.nbytes
+            else:
+                self.store.abandon(obj)
+        if not landed and res.objects:
+            log.warning("store reservation %d for request %s dropped: the engine's copies did not land",
+                        reservation, res.request_id)
+        return {"stored_tokens": stored, "stored_bytes": stored_bytes}
+
+    def _drop_reservations(self, instance_id: int) -> None:
+        """An instance went away (unregistered, or replaced by a restarted engine): its reservations go too."""
+        with self._lock:
+            dropped = [r for k, r in list(self._reservations.items()) if r.instance_id == instance_id
+                       and self._reservations.pop(k)]
+        for res in dropped:
+            for obj, _ in res.objects:
+                self.store.abandon(obj)
+        if dropped:
+            log.warning("instance %d went away with %d store reservation(s) not committed: dropped", instance_id,
+                        len(dropped))
 
     @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
@@ -548,6 +641,7 @@ class CacheServer:
 
     def _retire(self, inst: _Instance) -> None:
         """Close an unregistered or replaced instance's target now, or once its transfers end."""
+        self._drop_reservations(inst.instance_id)
         with self._lock:
             inst.retired = True
             close = inst.transfers == 0

@@ -154,6 +154,8 @@ class ServerMetrics:
             key = args[0]
             asked = len(key["tokens"]) // 8 or len(key.get("page_hashes") or ()) * int(key.get("page_size", 0))
             self._add(lookup_hit_tokens=hit, lookup_miss_tokens=max(asked - hit, 0))
+        elif rt == RequestType.COMMIT_STORE:  # an engine-executed STORE: counted once its copies landed
+            self._add(stored_tokens=int(value["stored_tokens"]), stored_bytes=int(value["stored_bytes"]))
         elif rt in (RequestType.STORE, RequestType.RETRIEVE):
             what = "stored" if rt == RequestType.STORE else "retrieved"
             tokens = int(value.get(f"{what}_tokens", 0))

@@ -33,6 +33,10 @@ class RequestType(enum.IntEnum):
     SERVER_INFO = 8
     ATTACH_RINGS = 9
     """Served by the transport itself, not by a registered handler: see :data:`TRANSPORT_REQUESTS`."""
+    RESERVE_STORE = 10
+    """Worker placement: reserve L1 objects for a prompt's chunks; the engine copies into them itself."""
+    COMMIT_STORE = 11
+    """Worker placement: the engine's copies into a reservation have landed (commit) or never will (drop)."""
 
 
 TRANSPORT_REQUESTS = frozenset({RequestType.ATTACH_RINGS})
@@ -236,6 +240,14 @@ DECLARATIONS: dict[RequestType, Declaration] = {
         Declaration(RequestType.RETRIEVE, RETRIEVE_ITEMS, MAP, blocking=True),
         Declaration(RequestType.FREE_LOOKUP_LOCKS, (Item("request_id", STR),), INT, blocking=False),
         Declaration(RequestType.END_SESSION, (Item("request_id", STR),), INT, blocking=False),
+        Declaration(
+            RequestType.RESERVE_STORE,
+            (Item("key", CACHE_KEY), Item("instance_id", NONNEG_INT), Item("skip_first_n_tokens", NONNEG_INT)),
+            MAP,
+            blocking=False,
+        ),
+        Declaration(RequestType.COMMIT_STORE, (Item("reservation", NONNEG_INT), Item("landed", BOOL)), MAP,
+                    blocking=False),
         Declaration(RequestType.ATTACH_RINGS, (Item("replies", RING_REF), Item("requests", optional(RING_REF)),
                                                Item("mailbox", optional(RING_REF))), BOOL, blocking=False),
     )

@@ -1,6 +1,8 @@
-"""Engine-executed loads on a GPU (worker placement): the engine process copies from the server's L1 pool.
+"""Engine-executed loads and stores on a GPU (worker placement): the engine process copies between the
+server's L1 pool and its own cache.
 
-The engine maps the server's pool read-only and registers it for DMA once, at registration; each load's
+The engine maps the server's pool and registers it for DMA once, at registration; a STORE copies into
+objects the server reserved and commits them once the copies landed (the fixture stores that way); each load's
 copies run on the engine's own high-priority streams in its CUDA context, a slice's event is recorded in
 the engine process, the request goes back on its first slice, and a layer wait orders the engine's stream
 on that event. The cache is vLLM-shaped (one buffer, LBNHC views) and needs no CUDA IPC export. Driven
@@ -69,6 +71,13 @@ def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width
     finally:
         scheduler.close()
     side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width)])
+
+
+def test_the_prompt_was_stored_by_the_engines_own_copies(engine, gpu_server) -> None:
+    side, layers, tokens, truth, record = engine
+    stored = [e for e in map(json.loads, record.read_text().splitlines()) if e.get("event") == "stored"]
+    assert stored and stored[0]["stored_tokens"] == len(tokens) and stored[0]["skipped_tokens"] == 0, stored
+    # every load below compares with ``truth``: what this store put in L1 is what they read back
 
 
 def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_server) -> None:

@@ -49,7 +49,7 @@ def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_releas
     record = tmp_path / "record.jsonl"
     settings = RuntimeSettings.from_mapping({
         "server_address": gpu_server.address, "layers_per_stage": 1, "record_path": str(record),
-        "instance_id": 40 + (physical == "LBHNC")}, where="kv_connector_extra_config")
+        "instance_id": 40 + (physical == "LBHNC"), "placement": "server"}, where="kv_connector_extra_config")
     side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model=f"vllm-gpu-{physical}")
     client = CacheClient(gpu_server.address)
     try:
@@ -86,3 +86,16 @@ def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_releas
     finally:
         side.close()
         client.close()
+
+
+def test_placement_auto_picks_engine_executed_transfers_for_a_gpu_cache(gpu_server):
+    """``auto`` on a GPU: the engine's own copies (benchmarks/ttft.py shows them faster under its compute)."""
+    _, layers = vllm_gpu_cache("LBNHC")
+    settings = RuntimeSettings.from_mapping({"server_address": gpu_server.address, "instance_id": 45},
+                                            where="kv_connector_extra_config")
+    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-auto")
+    try:
+        side.register(layers)
+        assert side.connected and side.placement == "worker"
+    finally:
+        side.close()

@@ -1,0 +1,128 @@
+"""Worker-placement STOREs: the engine copies into objects the server reserved, then commits them."""
+
+import pytest
+
+from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.registration_area import RegistrationArea
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.transport import RemoteError
+
+from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt
+
+TOKENS = 96  # with the suite's 64-token chunks: one whole chunk and a partial one
+
+
+@pytest.fixture
+def worker(client):
+    engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
+    info = client.server_info()
+    area = RegistrationArea(engine.layout, chunk_size=int(info["chunk_size"]))
+    w = LayerwiseWorker(client, 31, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                        registration_layout=area.layout, pool_writable=True)
+    w.register()
+    yield w, engine
+    w.close()
+    client.unregister_kv_cache(31)
+    area.close()
+    engine.close()
+
+
+def computed(engine, prompt):
+    blocks = engine.allocate(len(prompt))
+    engine.prefill(prompt, blocks)
+    return blocks
+
+
+def test_a_committed_store_is_found_and_loads_byte_exact(client, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=41)
+    src = computed(engine, prompt)
+    reply = w.store_to_pool(CacheKey.for_tokens("s1", prompt, model="m"), [src])
+    assert reply == {"stored_tokens": TOKENS, "skipped_tokens": 0}
+    again = w.store_to_pool(CacheKey.for_tokens("s1b", prompt, model="m"), [src])
+    assert again == {"stored_tokens": 0, "skipped_tokens": TOKENS}, "what is stored is skipped"
+    key, dst = lookup_into_fresh_blocks(client, engine, "l1", prompt)
+    w.submit_retrieve("l1", key, [dst], layers_per_stage=4)
+    engine_loop(w, "l1", SMALL_32.num_layers)
+    assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+
+
+def test_reserved_objects_are_invisible_until_committed_and_a_dropped_reservation_stores_nothing(client, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=42)
+    key = CacheKey.for_tokens("s2", prompt, model="m")
+    free_before = client.server_info()["l1"]["free_bytes"]
+    reply = client.reserve_store(key, 31, 0)
+    assert [o[2] for o in reply["objects"]] == [64, 32] and reply["skipped_tokens"] == 0
+    assert client.lookup(CacheKey.for_tokens("peek", prompt, model="m")) == 0, "a reservation is not a hit"
+    assert client.commit_store(reply["reservation"], False) == {"stored_tokens": 0, "stored_bytes": 0}
+    assert client.lookup(CacheKey.for_tokens("peek2", prompt, model="m")) == 0
+    assert client.server_info()["l1"]["free_bytes"] == free_before, "a dropped reservation frees its objects"
+    with pytest.raises(RemoteError, match="no store reservation"):
+        client.commit_store(reply["reservation"], True)
+
+
+def test_a_failed_copy_drops_the_reservation(client, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=43)
+    src = computed(engine, prompt)
+
+    class Broken(Exception):
+        pass
+
+    def failing_gather(spans, block_ids):
+        raise Broken("the copy failed")
+
+    copier = w._copier_for(client.server_info()["pool"])
+    copier.gather = failing_gather  # the failure path: the copy itself raises
+    try:
+        with pytest.raises(Broken):
+            w.store_to_pool(CacheKey.for_tokens("s3", prompt, model="m"), [src])
+    finally:
+        del copier.gather
+    assert client.lookup(CacheKey.for_tokens("peek3", prompt, model="m")) == 0, "nothing half-written is kept"
+
+
+def test_reservations_are_refused_for_server_placement_and_other_connections(client, server, worker):
+    prompt = random_prompt(TOKENS, seed=44)
+    key = CacheKey.for_tokens("s4", prompt, model="m")
+    engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
+    server_side = LayerwiseWorker(client, 32, engine.layout)
+    try:
+        server_side.register()
+        with pytest.raises(RemoteError, match="server placement"):
+            client.reserve_store(key, 32, 0)
+        reply = client.reserve_store(key, 31, 0)
+        other = CacheClient(server.address, timeout=20.0)
+        try:
+            with pytest.raises(RemoteError, match="belongs to another connection"):
+                other.commit_store(reply["reservation"], True)
+        finally:
+            other.close()
+        assert client.commit_store(reply["reservation"], False)["stored_tokens"] == 0
+    finally:
+        server_side.close()
+        client.unregister_kv_cache(32)
+        engine.close()
+
+
+def test_unregistering_the_instance_drops_its_reservations(client):
+    engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
+    area = RegistrationArea(engine.layout, chunk_size=int(client.server_info()["chunk_size"]))
+    w = LayerwiseWorker(client, 33, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                        registration_layout=area.layout, pool_writable=True)
+    try:
+        w.register()
+        prompt = random_prompt(TOKENS, seed=45)
+        reply = client.reserve_store(CacheKey.for_tokens("s5", prompt, model="m"), 33, 0)
+        client.unregister_kv_cache(33)
+        with pytest.raises(RemoteError, match="no store reservation"):
+            client.commit_store(reply["reservation"], True)
+        assert client.lookup(CacheKey.for_tokens("peek5", prompt, model="m")) == 0
+    finally:
+        w.close()
+        area.close()
+        engine.close()
