@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -517,15 +518,20 @@ class Executor:
     def idle(self) -> bool:
         return not self.waiting and not self.active and not self.held and self._previous is None
 
-    def run(self, max_iterations: int = 10_000) -> dict[int, LlmRequest]:
-        """Iterate until every request finished and no blocks are held (bounded: a hang fails loudly)."""
-        for _ in range(max_iterations):
-            if self.idle():
-                return self.done
+    def run(self, timeout: float = 120.0) -> dict[int, LlmRequest]:
+        """Iterate until every request finished and no blocks are held. ``timeout`` only catches a hang: an
+        iteration with nothing to compute sleeps a millisecond, as blocks held by a transfer wait for it."""
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the executor did not go idle within {timeout:.0f}s: waiting "
+                                   f"{[r.request_id for r in self.waiting]}, active "
+                                   f"{[r.request_id for r in self.active]}, held {sorted(self.held)}")
+            busy = bool(self.waiting or self.active)
             self.step()
-        raise RuntimeError(f"the executor did not go idle in {max_iterations} iterations: waiting "
-                           f"{[r.request_id for r in self.waiting]}, active {[r.request_id for r in self.active]}, "
-                           f"held {sorted(self.held)}")
+            if not busy:
+                time.sleep(0.001)
+        return self.done
 
     def shutdown(self) -> None:
         if self.manager is not None:
