@@ -337,6 +337,8 @@ class Executor:
         self.done: dict[int, LlmRequest] = {}
         self.iterations = 0
         self._previous: tuple[list[LlmRequest], dict[int, int]] | None = None
+        self.decode_graph: Any = None
+        """Set by ``warmup`` (the GPU test): ``replay(token, segment) -> logits [1, vocab]`` for one decode."""
         if warmup is not None:
             warmup(self)  # before the connector's hooks exist, as TensorRT-LLM warms up (and captures graphs)
         self.manager: ConnectorManager | None = None
@@ -418,19 +420,26 @@ class Executor:
         if not batch:
             return {}
         try:
-            tokens, segments, last = [], [], []
+            tokens, segments, last, ends = [], [], [], []
             for req in context:
                 end = min(req.prompt_len, req.context_current_position + req.context_chunk_size)
                 tokens += req.tokens[req.context_current_position:end]
                 segments.append(self._segment(req, req.context_current_position, end))
                 last.append(len(tokens) - 1)
+                ends.append(end)
             for req in generation:
                 pos = len(req.tokens) - (0 if req.request_id in pending else 1)
                 tokens.append(pending.get(req.request_id, req.tokens[-1]))
                 segments.append(self._segment(req, pos, pos + 1))
                 last.append(len(tokens) - 1)
-            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            logits = self.model.forward(ids, segments, on_rank=standin.set_rank)
+                ends.append(pos + 1)
+            if not context and self.decode_graph is not None:
+                # a decode-only batch replays the CUDA graph captured at warm-up: no Python runs per layer,
+                # so no connector hook fires (as in TensorRT-LLM)
+                logits = torch.cat([self.decode_graph.replay(tokens[j], seg) for j, seg in enumerate(segments)])
+            else:
+                ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                logits = self.model.forward(ids, segments, on_rank=standin.set_rank)
             if self.manager is not None:
                 for rank, worker in enumerate(self.manager.workers):
                     standin.set_rank(rank)
@@ -439,10 +448,10 @@ class Executor:
             self._handle_errors(batch, f"{type(exc).__name__}: {exc}")
             return None
         sampled = {}
-        for req, seg, i in zip(batch, segments, last):
+        for req, end, i in zip(batch, ends, last):
             if req.state == LlmRequestState.CONTEXT_INIT:
-                req.context_current_position = seg.end
-                if seg.end < req.prompt_len:
+                req.context_current_position = end
+                if end < req.prompt_len:
                     continue  # a middle chunk samples nothing
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS  # _update_request_states
             req.logits.append(logits[i].detach().to("cpu").clone())
@@ -450,8 +459,15 @@ class Executor:
         return sampled
 
     def _segment(self, req: LlmRequest, start: int, end: int) -> Segment:
-        table = torch.tensor(self.kv.get_cache_indices(req), dtype=torch.int64, device=self.device)
-        return Segment(start, end, table)
+        return Segment(torch.arange(start, end, device=self.device), self._table(req, end))
+
+    def _table(self, req: LlmRequest, end: int) -> torch.Tensor:
+        cfg = self.cfg
+        if end > cfg.max_ctx:
+            raise ValueError(f"request {req.request_id}: {end} positions exceed the model's max_ctx {cfg.max_ctx}")
+        blocks = self.kv.get_cache_indices(req)
+        width = cfg.max_ctx // cfg.tokens_per_block
+        return torch.tensor((blocks + [blocks[0]] * width)[:width], dtype=torch.int64, device=self.device)
 
     def _handle_errors(self, batch: list[LlmRequest], message: str) -> None:
         for req in batch:

@@ -27,6 +27,9 @@ class TinyConfig:
     head_dim: int = 8
     num_layers: int = 4
     tokens_per_block: int = 16
+    max_ctx: int = 192
+    """Every query attends over this many key positions, masked past its own: the same shapes whatever the
+    batch or step, so an eager decode and a CUDA-graph decode compute the same bits."""
     seed: int = 1234
 
     @property
@@ -36,12 +39,14 @@ class TinyConfig:
 
 @dataclass
 class Segment:
-    """One request's tokens in a forward: query positions ``[start, end)`` and its block table."""
+    """One request's tokens in a forward: their positions and the request's block table.
 
-    start: int
-    end: int
+    Tensors only, so a decode step can be captured in a CUDA graph and replayed with new values."""
+
+    positions: torch.Tensor
+    """int64 query positions (on the model's device)."""
     block_table: torch.Tensor
-    """int64 block ids on the model's device, covering ``end`` positions (at least)."""
+    """int64 block ids, ``max_ctx / tokens_per_block`` of them (padded with the request's first block)."""
 
 
 def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -72,19 +77,18 @@ class DecoderLayer(nn.Module):
         v = _rows(x, self.wv).view(-1, h, d)
         outs = []
         row = 0
+        ctx = torch.arange(cfg.max_ctx, device=x.device)
         for seg in segments:
-            n = seg.end - seg.start
-            pos = torch.arange(seg.start, seg.end, device=x.device)
+            pos = seg.positions
+            n = pos.shape[0]
             blk, off = seg.block_table[pos // tpb], pos % tpb
             pool[blk, self.layer_idx, 0, :, off, :] = k[row:row + n]  # this forward's tokens' KV first
             pool[blk, self.layer_idx, 1, :, off, :] = v[row:row + n]
-            ctx = torch.arange(seg.end, device=x.device)
-            kk = pool[seg.block_table[ctx // tpb], self.layer_idx, 0, :, ctx % tpb, :]  # [end, h, d]
+            kk = pool[seg.block_table[ctx // tpb], self.layer_idx, 0, :, ctx % tpb, :]  # [max_ctx, h, d]
             vv = pool[seg.block_table[ctx // tpb], self.layer_idx, 1, :, ctx % tpb, :]
             for i in range(n):
-                qi = q[row + i]  # [h, d]
-                scores = torch.einsum("khd,hd->hk", kk, qi) / d ** 0.5
-                scores = scores.masked_fill(ctx > seg.start + i, float("-inf"))
+                scores = torch.einsum("khd,hd->hk", kk, q[row + i]) / d ** 0.5
+                scores = scores.masked_fill(ctx > pos[i], float("-inf"))
                 outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), vv).reshape(1, h * d))
             row += n
         attn = torch.cat(outs) if outs else x.new_zeros(0, h * d)
