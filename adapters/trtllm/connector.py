@@ -268,6 +268,7 @@ class KvstrataWorker(_WorkerBase):
         meta = self._meta()
         self._collect_failures()
         failed = {r: self.failed_loads.pop(r) for r in meta.scheduled if r in self.failed_loads}
+        failed.update(self._failing(meta.scheduled))
         if failed:
             self.runtime.record.write("trtllm_batch_failed", rank=self.rank, request_ids=sorted(map(str, failed)),
                                       reasons=sorted(set(failed.values())), policy="raise in wait_for_save")
@@ -276,6 +277,11 @@ class KvstrataWorker(_WorkerBase):
                 f"({'; '.join(sorted(set(failed.values())))}); TensorRT-LLM 1.2 has no recompute path for a "
                 "connector's failed load, so this batch fails instead of reading KV that never arrived")
         if not meta.stores:
+            return
+        if not self.runtime.connected:
+            # Not registered yet (the server was down at start-up): the runtime connects here, on the engine's
+            # thread (retrying at most every 10 s), and stores inline this once; the store thread never connects.
+            self.runtime.store(meta.stores)
             return
         written = None
         if self._cuda and stream is not None:
@@ -290,7 +296,20 @@ class KvstrataWorker(_WorkerBase):
             written.synchronize()  # the forward's writes are in the pool
         if self.before_store is not None:
             self.before_store(stores)
-        self.runtime.store(stores)
+        self.runtime.store(stores)  # connected already (wait_for_save checked): this thread never connects
+
+    def _failing(self, engine_ids: list[Any]) -> dict[Any, str]:
+        """Loads of these requests that failed but are not reported yet: an engine-executed copy that a layer
+        wait gave up on is reported only once it has stopped, and this batch must fail now all the same."""
+        transfers = self.runtime.transfers
+        if transfers is None:
+            return {}
+        out = {}
+        for engine_id in engine_ids:
+            record = transfers.records.get(self.adapter.request_id(engine_id))
+            if record is not None and record.failure:
+                out[engine_id] = record.failure
+        return out
 
     def _collect_failures(self) -> None:
         for failure in self.runtime.take_load_failures():
@@ -315,8 +334,6 @@ class KvstrataWorker(_WorkerBase):
         """
         self._saving.update(finished_gen_req_ids)
         self._async_loading.update(started_loading_req_ids)
-        for rid in finished_gen_req_ids:
-            self.failed_loads.pop(rid, None)  # it will not run again
         _, released = self.runtime.poll(finished_gen_req_ids)
         self._collect_failures()
         self._released_early |= set(released)
@@ -325,6 +342,9 @@ class KvstrataWorker(_WorkerBase):
         self._async_loading -= set(loaded)
         saved = sorted((r for r in self._saving if not self._busy(r)), key=str)
         self._saving -= set(saved)
+        for rid in saved:  # it will not run again
+            self.failed_loads.pop(rid, None)
+            self._released_early.discard(rid)
         return saved, loaded
 
     def shutdown(self) -> None:

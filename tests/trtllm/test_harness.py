@@ -288,3 +288,32 @@ def test_server_death_mid_load_fails_the_batch_and_nothing_hangs(deploy, tmp_pat
     assert failed and failed[0]["request_ids"] == ["7002"] and failed[0]["policy"] == "raise in wait_for_save"
     assert events(record, "load_failed")
     assert len(done[7003].generated) == MAX_NEW or done[7003].error  # never hangs; a shared batch fails with it
+
+
+def test_a_stalled_engine_executed_copy_fails_its_batch_before_its_report(server, deploy, tmp_path) -> None:
+    """Worker placement: the copy of a synchronous load is held after its first slice, so layer 1's wait gives up
+    (bounded) while the copy still runs. Its failure is reported to the runtime only once that copy stopped,
+    but the forward it was read in must fail now: ``wait_for_save`` raises for it. The blocks stay held until
+    the copy stopped; then everything is freed."""
+    p = prompts(19, (96,))[0]
+    _store_prompt(server, deploy, p, 8001)
+    record = deploy(server.address, layer_wait_timeout=1.0)
+    hold = SliceHold(tmp_path / "hold")
+    with hold.installed():
+        ex = Executor(CFG, connector=CONNECTOR)
+        try:
+            hold.hold("8002", after_slices=1)
+            ex.add_request(8002, p, MAX_NEW)
+            ex.step()  # matched (n, False): its forward runs now and waits for layer 1 in vain
+            req = ex.done[8002]
+            assert req.error and "kvstrata could not load the KV of request(s) [8002]" in req.error
+            assert 8002 in ex.held and ex.kv.free_blocks < ex.kv.num_blocks  # the copy still holds them
+            hold.open("8002")
+            ex.run()
+            assert ex.kv.free_blocks == ex.kv.num_blocks
+        finally:
+            hold.open_all()
+            ex.shutdown()
+    failed = events(record, "trtllm_batch_failed")
+    assert [e["request_ids"] for e in failed] == [["8002"]]
+    assert events(record, "load_failed")  # reported once the copy stopped
