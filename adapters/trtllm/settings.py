@@ -39,12 +39,13 @@ class TrtllmOptions:
 
 def parse(values: Mapping[str, Any], where: str) -> tuple[RuntimeSettings, TrtllmOptions]:
     """The runtime's settings and this adapter's options from one mapping (errors name ``where``)."""
+    # Every settings error is a ValueError naming where it was written, as RuntimeSettings.from_mapping's.
     if not isinstance(values, Mapping):
-        raise ValueError(f"{where}: expected a JSON object of kvstrata settings, got {type(values).__name__}")
+        raise ValueError(f"{where}: expected a JSON object of kvstrata settings, got {type(values).__name__}")  # noqa: TRY004
     runtime = {k: v for k, v in values.items() if k not in TrtllmOptions.KEYS}
     async_load = values.get("async_load", False)
     if not isinstance(async_load, bool):
-        raise ValueError(f"{where}.async_load must be true or false, got {async_load!r}")
+        raise ValueError(f"{where}.async_load must be true or false, got {async_load!r}")  # noqa: TRY004
     return RuntimeSettings.from_mapping(runtime, where=where), TrtllmOptions(async_load=async_load)
 
 

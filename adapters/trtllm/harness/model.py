@@ -119,8 +119,8 @@ class TinyTPModel:
         def rnd(*shape: int, scale: float) -> torch.Tensor:
             return (torch.randn(*shape, generator=g) * scale).to(device)
 
-        weights = [dict(wq=rnd(hid, hd, scale=0.5), wk=rnd(hid, hd, scale=0.5), wv=rnd(hid, hd, scale=0.5),
-                        wo=rnd(hd, hid, scale=0.3)) for _ in range(cfg.num_layers)]
+        weights = [{"wq": rnd(hid, hd, scale=0.5), "wk": rnd(hid, hd, scale=0.5), "wv": rnd(hid, hd, scale=0.5),
+                    "wo": rnd(hd, hid, scale=0.3)} for _ in range(cfg.num_layers)]
         self.cfg, self.world = cfg, world
         self.embed = rnd(cfg.vocab, hid, scale=1.0)
         self.mlp = [(rnd(hid, 2 * hid, scale=0.3), rnd(2 * hid, hid, scale=0.3)) for _ in range(cfg.num_layers)]

@@ -186,8 +186,9 @@ def install(*, connector_path: str = "tensorrt_llm._torch.pyexecutor.kv_cache_co
     if real_tensorrt_llm_installed():
         return False
     uninstall()
-    connector = dict(KvCacheConnectorWorker=KvCacheConnectorWorker, KvCacheConnectorScheduler=KvCacheConnectorScheduler,
-                     SchedulerOutput=SchedulerOutput, RequestData=RequestData)
+    connector = {"KvCacheConnectorWorker": KvCacheConnectorWorker,
+                 "KvCacheConnectorScheduler": KvCacheConnectorScheduler,
+                 "SchedulerOutput": SchedulerOutput, "RequestData": RequestData}
     parts = connector_path.split(".")
     for i in range(1, len(parts)):
         name = ".".join(parts[:i])
