@@ -46,6 +46,7 @@ class CudaMallocPool:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         self._runtime = _runtime_library()
+        err, self.ptr = -1, 0
         if self._runtime is not None:
             self.api = "cudaMalloc"
             ptr = ctypes.c_void_p()
@@ -53,7 +54,10 @@ class CudaMallocPool:
             self._runtime.cudaMalloc.restype = ctypes.c_int
             err = self._runtime.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.nbytes))
             self.ptr = int(ptr.value or 0)
-        else:
+            if err != 0:
+                log.warning("cudaMalloc through %s failed with error %d; trying the driver's cuMemAlloc",
+                            self._runtime._name, err)
+        if err != 0 or not self.ptr:
             self.api = "cuMemAlloc_v2"
             self._driver = ctypes.CDLL("libcuda.so.1")
             dptr = ctypes.c_uint64()
