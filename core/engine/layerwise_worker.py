@@ -159,8 +159,12 @@ class LayerwiseWorker:
     # --- retrieve --------------------------------------------------------------------
 
     def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
-                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0) -> None:
-        """Start moving ``key``'s tokens into ``block_ids``; returns at once."""
+                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0, running: bool = False) -> None:
+        """Start moving ``key``'s tokens into ``block_ids``; returns at once.
+
+        ``running``: the engine computes this request in the step the load starts (a synchronous match, as
+        TensorRT-LLM's ``(n, False)``), so layer waits cover it from the start and it is never handed back.
+        """
         blocks = [list(map(int, g)) for g in block_ids]
         record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_stage, time.perf_counter())
         gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
@@ -193,6 +197,9 @@ class LayerwiseWorker:
             inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record)
             if slot is not None:
                 inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
+        if running:
+            inflight.released = True
+            record.released_at, record.released_before_complete = record.submitted_at, True
         with self._lock:
             self._inflight[request_id] = inflight
             self.records[request_id] = record

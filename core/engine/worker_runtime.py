@@ -173,11 +173,17 @@ class WorkerRuntime:
 
     # --- loads -------------------------------------------------------------------------
 
-    def start_loads(self, loads: Iterable[LoadSpec]) -> None:
-        """Start this step's loads (the scheduler side planned them); returns at once."""
+    def start_loads(self, loads: Iterable[LoadSpec], *, running: bool = False) -> None:
+        """Start this step's loads (the scheduler side planned them); returns at once.
+
+        ``running``: the engine computes these requests in this very step (a synchronous match): layer waits
+        cover them at once, :meth:`poll` never hands them back, and their blocks are freeable once settled.
+        """
         loads = list(loads)
         for spec in loads:
             self._engine_ids[spec.request_id] = spec.engine_request_id
+            if running:
+                self._released.add(spec.request_id)
         if loads and not self._connect():
             for spec in loads:  # the server went away after the lookup: the engine recomputes these
                 self._unloadable[spec.request_id] = ([list(g) for g in spec.block_ids], "server not reachable")
@@ -186,10 +192,10 @@ class WorkerRuntime:
             key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                             world_size=self.world_size)
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                           layers_per_stage=spec.layers_per_stage)
+                                           layers_per_stage=spec.layers_per_stage, running=running)
             self.stats.bump(loads_started=1)
             self.record.write("load_started", request_id=spec.request_id, rank=self.rank, tokens=spec.num_tokens,
-                              skip=spec.skip, layers_per_stage=spec.layers_per_stage)
+                              skip=spec.skip, layers_per_stage=spec.layers_per_stage, running=running)
 
     def wait_for_layer(self, layer: int) -> None:
         """Before the engine reads ``layer``: every released, in-flight load must have landed it (bounded)."""

@@ -1,0 +1,83 @@
+"""kvstrata's settings for TensorRT-LLM, which passes a connector no settings of its own.
+
+``KvCacheConnectorConfig`` is three strings (module, scheduler class, worker class), so the settings come
+from the environment of the TensorRT-LLM processes (every rank inherits it):
+
+* ``KVSTRATA_TRTLLM_CONFIG``: a JSON object inline (it starts with ``{``) or the path of a JSON or YAML
+  file holding one.
+
+The object holds :class:`~kvstrata.core.engine.settings.RuntimeSettings` keys and this adapter's own
+key ``async_load`` (default false). An unknown key, a bad value, an unreadable file or a variable that is
+neither JSON nor a path is an error naming the variable (and file) and what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.engine.settings import RuntimeSettings
+
+ENV_VAR = "KVSTRATA_TRTLLM_CONFIG"
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    """What only this adapter reads."""
+
+    async_load: bool = False
+    """False (default): a hit is matched synchronously, ``(n, False)``: the request runs in the step its load
+    starts and each layer's wait orders the forward after that layer's copy. True: ``(n, True)``: TensorRT-LLM
+    parks the request until every rank reports it in ``get_finished``, which kvstrata does once its first
+    slice has landed."""
+
+    KEYS = ("async_load",)
+
+
+def parse(values: Mapping[str, Any], where: str) -> tuple[RuntimeSettings, TrtllmOptions]:
+    """The runtime's settings and this adapter's options from one mapping (errors name ``where``)."""
+    # Every settings error is a ValueError naming where it was written, as RuntimeSettings.from_mapping's.
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where}: expected a JSON object of kvstrata settings, got {type(values).__name__}")  # noqa: TRY004
+    runtime = {k: v for k, v in values.items() if k not in TrtllmOptions.KEYS}
+    async_load = values.get("async_load", False)
+    if not isinstance(async_load, bool):
+        raise ValueError(f"{where}.async_load must be true or false, got {async_load!r}")  # noqa: TRY004
+    return RuntimeSettings.from_mapping(runtime, where=where), TrtllmOptions(async_load=async_load)
+
+
+def load(environ: Mapping[str, str] | None = None) -> tuple[RuntimeSettings, TrtllmOptions]:
+    """The settings for this process, from :data:`ENV_VAR` (unset: every default)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_VAR, "").strip()
+    if not raw:
+        return parse({}, ENV_VAR)
+    if raw.startswith("{"):
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_VAR} starts with '{{' but is not valid JSON: {exc}") from None
+        return parse(values, ENV_VAR)
+    path = os.path.expanduser(raw)
+    where = f"{ENV_VAR} file {path}"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"{ENV_VAR}={raw!r} is neither a JSON object nor a readable file: {exc}") from None
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{where}: not valid YAML: {exc}") from None
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc}") from None
+    return parse(values, where)

@@ -1,0 +1,48 @@
+"""kvstrata's settings for TensorRT-LLM come from KVSTRATA_TRTLLM_CONFIG (inline JSON or a file it names)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvstrata.adapters.trtllm import settings
+
+
+def test_inline_json() -> None:
+    s, o = settings.load({settings.ENV_VAR: '{"server_address": "ipc:///tmp/x.sock", "layers_per_stage": 2, '
+                                            '"async_load": true}'})
+    assert (s.server_address, s.layers_per_stage, o.async_load) == ("ipc:///tmp/x.sock", 2, True)
+
+
+def test_unset_is_every_default() -> None:
+    s, o = settings.load({})
+    assert (s.layers_per_stage, s.placement, o.async_load) == (0, "auto", False)
+
+
+def test_json_and_yaml_files(tmp_path) -> None:
+    j = tmp_path / "kv.json"
+    j.write_text(json.dumps({"placement": "worker", "instance_id": 3}))
+    s, _ = settings.load({settings.ENV_VAR: str(j)})
+    assert (s.placement, s.instance_id) == ("worker", 3)
+    y = tmp_path / "kv.yaml"
+    y.write_text("layers_per_stage: 4\nasync_load: false\n")
+    s, o = settings.load({settings.ENV_VAR: str(y)})
+    assert (s.layers_per_stage, o.async_load) == (4, False)
+
+
+def test_unknown_key_named_with_the_variable_and_file(tmp_path) -> None:
+    f = tmp_path / "kv.json"
+    f.write_text(json.dumps({"layers_per_stag": 1}))
+    with pytest.raises(ValueError, match=r"KVSTRATA_TRTLLM_CONFIG file .*kv\.json.*layers_per_stag"):
+        settings.load({settings.ENV_VAR: str(f)})
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"async_load": "yes"}', "async_load must be true or false"),
+    ('{"server_address": ', "not valid JSON"),
+    ("/nonexistent/kvstrata.json", "neither a JSON object nor a readable file"),
+    ('{"placement": "gpu"}', "placement must be"),
+])
+def test_bad_values_are_refused_by_name(value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings.load({settings.ENV_VAR: value})
