@@ -122,6 +122,7 @@ class LayerwiseWorker:
         self._l1_pool: Segment | None = None
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
+        self._pool_lock = threading.Lock()
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout) \
@@ -230,6 +231,10 @@ class LayerwiseWorker:
     # --- worker placement ------------------------------------------------------------
 
     def _map_l1_pool(self, pool: dict[str, Any]) -> torch.Tensor:
+        with self._pool_lock:  # the transfer queue's thread and a storing thread may both ask first
+            return self._map_l1_pool_locked(pool)
+
+    def _map_l1_pool_locked(self, pool: dict[str, Any]) -> torch.Tensor:
         if self._l1_pool is None or self._l1_pool.name != pool["name"]:
             seg = Segment.attach(pool["name"], int(pool["size"]), readonly=not self.pool_writable)
             with warnings.catch_warnings():
@@ -272,8 +277,9 @@ class LayerwiseWorker:
         return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
 
     def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
-        self._map_l1_pool(pool)
-        return self._copier
+        with self._pool_lock:
+            self._map_l1_pool_locked(pool)
+            return self._copier
 
     # --- engine side -----------------------------------------------------------------
 
