@@ -60,6 +60,10 @@ MODES = ("kernel", "staged", "torch")
 _MAX_VEC = 16
 
 
+NO_DIRECT_COPIES = 1 << 62
+"""A ``direct_copy_min_run`` no run reaches: always stage."""
+
+
 @dataclass
 class CudaTransferConfig:
     """How a GPU engine copies. ``kvstrata serve --cuda-mode`` picks the mode for A/B measurements; the
@@ -72,7 +76,8 @@ class CudaTransferConfig:
     staging_bytes: int = 64 << 20
     """Staged mode: the most bytes one staging buffer (of two) may hold; slices larger than this are split."""
     direct_copy_min_run: int = 256 << 10
-    """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this."""
+    """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this
+    (``NO_DIRECT_COPIES``: never)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -853,8 +858,15 @@ class CudaLocalCopier:
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
                  device_index: int, config: CudaTransferConfig | None = None, *, writable: bool = False) -> None:
-        """``writable``: the pool is mapped writable here and registered so, for engine-executed stores."""
+        """``writable``: the pool is mapped writable here and registered so, for engine-executed stores.
+
+        By default the copy engine always goes through staging buffers here, with the scatter kernel in the
+        engine's context, also where the layout would let it write the cache directly (SGLang's per-layer
+        buffers): in the engine's process the direct copies measured slower (H200, 1.84 GiB into SGLang
+        buffers: 45.4 ms direct against 39.3 ms staged; first token 78.0 against 72.0 ms at 1,024 new tokens,
+        ``benchmarks/ttft_direct_copy_ab.sh``)."""
         t0 = time.perf_counter()
+        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES)
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable,
                                          stream_priority=-1)
