@@ -88,3 +88,14 @@ class CudaEventBackend:
             else:
                 self._store_event.record(stream or torch.cuda.current_stream(self.index))
             return self._store_handle
+
+
+def event_backend_for(device: str) -> Any:
+    """What a GPU adapter's ``kvstrata_event_backend`` answers: the host backend for ``cpu``, CUDA events for
+    ``cuda:N``. Engines differ in their caches, not in how a layer's copy says it landed."""
+    if device == "cpu":
+        from kvstrata.core.arrival.events import HostEventBackend
+
+        return HostEventBackend()
+    return CudaEventBackend(device)
+

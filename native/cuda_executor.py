@@ -613,7 +613,7 @@ class CudaExecutor:
         lay, row = self.engine.layout, self.engine.row_bytes
         self._bind(job)
         rows: list[tuple[int, int, int]] = []
-        L, kv = lay.num_layers, lay.kv_size
+        kv = lay.kv_size
         for i, c in enumerate(job.copies):
             T = self._obj_tokens[c.object_index]
             host = self._obj_host[c.object_index]

@@ -23,8 +23,7 @@ from typing import Sequence
 
 import torch
 
-from kvstrata.core.transfer.layouts import (DTYPE_SIZES, PagedKVLayout, sglang_layout, trtllm_pool_layout,
-                                   vllm_layout)
+from kvstrata.core.transfer.layouts import DTYPE_SIZES, sglang_layout, trtllm_pool_layout, vllm_layout
 
 from .cuda_ipc import export_region
 

@@ -27,7 +27,8 @@ from kvstrata.core.adapter_api.types import (
     KVCacheDescription,
     NotSupported,
 )
-from kvstrata.core.arrival.events import EventBackend, HostEventBackend
+from kvstrata.core.adapter_api.defaults import whole_blocks_before_the_last_token
+from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, Region
 
 from .kv_layout import TrtllmKvPool, byte_view, pool_layout
@@ -71,17 +72,15 @@ def kvstrata_describe_kv_cache(kv_caches: Any, placement: str) -> KVCacheDescrip
 
 @hookimpl
 def kvstrata_event_backend(device: str) -> EventBackend:
-    if device == "cpu":
-        return HostEventBackend()
-    from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.cuda_events import event_backend_for
 
-    return CudaEventBackend(device)
+    return event_backend_for(device)
 
 
 @hookimpl
 def kvstrata_loadable_tokens(num_prompt_tokens: int, block_size: int) -> int:
     # TensorRT-LLM needs at least one prompt token to compute: never load the block holding the last one.
-    return ((num_prompt_tokens - 1) // block_size) * block_size if num_prompt_tokens else 0
+    return whole_blocks_before_the_last_token(num_prompt_tokens, block_size)
 
 
 @hookimpl

@@ -9,6 +9,12 @@ from kvstrata.core.adapter_api.types import LoadFailure
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend
 
 
+def whole_blocks_before_the_last_token(num_prompt_tokens: int, block_size: int) -> int:
+    """Loadable tokens for an engine that computes (and writes the KV of) at least the last prompt token
+    itself: every whole block except the one holding that token (vLLM, TensorRT-LLM)."""
+    return ((num_prompt_tokens - 1) // block_size) * block_size if num_prompt_tokens else 0
+
+
 class CoreDefaults:
     """Default implementations; :func:`kvstrata.core.adapter_api.plugins.new_plugin_manager` registers one."""
 
