@@ -64,7 +64,11 @@ class StagingStore:
         n = key.num_tokens
         if n % bs:
             raise ValueError(f"a staged STORE moves whole blocks: {n} tokens is not a multiple of {bs}")
-        tokens = unpack_tokens(key.tokens)
+        by_pages = key.page_hashes is not None
+        if by_pages and key.page_size != bs:
+            raise ValueError(f"a staged STORE by page hashes needs the key's page size {key.page_size} to be the "
+                             f"cache's block size {bs}")
+        tokens = None if by_pages else unpack_tokens(key.tokens)
         window = self.blocks_per_window * bs
         start = (skip_first_n_tokens // self.chunk_size) * self.chunk_size
         totals = {"stored_tokens": 0, "skipped_tokens": start}
@@ -72,8 +76,12 @@ class StagingStore:
             end = min(start + window, n)
             self._copy_blocks([list(g)[start // bs:end // bs] for g in block_ids])
             ids = [0] * (start // bs) + list(range((end - start) // bs))
-            window_key = CacheKey(key.request_id, key.model, key.world_size, key.rank, pack_tokens(tokens[:end]),
-                                  key.salt)
+            if by_pages:  # the engine's page-hash chain up to the window's end
+                window_key = CacheKey(key.request_id, key.model, key.world_size, key.rank, b"", key.salt,
+                                      key.page_hashes[:end // bs], bs)
+            else:
+                window_key = CacheKey(key.request_id, key.model, key.world_size, key.rank,
+                                      pack_tokens(tokens[:end]), key.salt)
             reply: dict[str, Any] = client.store(window_key, instance_id, [ids], skip_first_n_tokens=start)
             totals["stored_tokens"] += reply["stored_tokens"]
             totals["skipped_tokens"] += reply["skipped_tokens"] - start

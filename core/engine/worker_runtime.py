@@ -170,7 +170,7 @@ class WorkerRuntime:
             return
         for spec in loads:
             key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                            world_size=self.world_size)
+                            world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                            layers_per_stage=spec.layers_per_stage)
             self.stats.bump(loads_started=1)
@@ -304,7 +304,7 @@ class WorkerRuntime:
 
     def _store_one(self, spec: StoreSpec) -> dict[str, Any]:
         key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                        world_size=self.world_size)
+                        world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
         if self.placement == PLACEMENT_WORKER:
             return self.staging.store(self.client, self.instance_id, key, spec.block_ids,
                                       skip_first_n_tokens=spec.skip)
