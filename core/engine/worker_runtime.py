@@ -105,6 +105,14 @@ class WorkerRuntime:
         raise NotSupported(f"adapter {self.adapter.name!r} cannot describe this cache for any placement: "
                            + "; ".join(reasons))
 
+    def connect(self) -> bool:
+        """Registered with the server, or registering now (at most every RECONNECT_INTERVAL seconds)?
+
+        For an engine whose loads cannot be refused once started (SGLang aborts a request whose load fails):
+        its adapter asks this before it accepts a load, so a server that is down means computing, not failing.
+        """
+        return self._connect()
+
     def _connect(self) -> bool:
         """Build the transfer machinery and register with the server; False (retry later) if it is down."""
         if self.transfers is not None:
