@@ -20,6 +20,7 @@ where SGLang does not install.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,18 +57,34 @@ def describe(kv_caches: Any, placement: str) -> KVCacheDescription:
     return KVCacheDescription(layout, regions, str(kv_caches.device) if kv_caches.device.type == "cuda" else "cpu")
 
 
+COPY_EVENT_POLL = 0.0001
+COPY_EVENT_BOUND = 60.0
+"""The longest a layer wait waits for a copy the GPU has been handed (only catches a stuck copy)."""
+
+
 def host_blocking_cuda_backend(device: str) -> EventBackend:
     """A CUDA event backend whose layer wait returns only once the layer's copy event has completed."""
+    from kvstrata.core.arrival.gate import LayerWaitTimeout
     from kvstrata.native.cuda_events import CudaEventBackend
 
     class HostBlockingCudaEventBackend(CudaEventBackend):
-        """SGLang's counter is completed from the CPU: the bytes must be in place, not merely ordered."""
+        """SGLang's counter is completed from the CPU: the bytes must be in place, not merely ordered.
+
+        The wait polls the event (bounded) rather than ``synchronize()`` it: a copy that never runs fails the
+        load (LayerWaitTimeout, which the runtime turns into a failure report) instead of hanging the engine.
+        """
 
         name = "cuda-host-blocking"
 
         def wait(self, event: Any) -> None:
-            if event is not None:
-                event.synchronize()
+            if event is None:
+                return
+            deadline = time.monotonic() + COPY_EVENT_BOUND
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise LayerWaitTimeout(f"a copy enqueued on the GPU did not complete within "
+                                           f"{COPY_EVENT_BOUND:.0f}s")
+                time.sleep(COPY_EVENT_POLL)
 
     return HostBlockingCudaEventBackend(device)
 

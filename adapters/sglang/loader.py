@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 BACK_OFF_TIMEOUTS = 5
 """After a LOOKUP timed out, lookups skip kvstrata for this many lookup timeouts (the engine computes)."""
 POLL_INTERVAL = 0.0005
+IDLE_POLL = 0.02
+"""How often the idle loader thread polls transfers that outlived their batch."""
 
 
 class LoadCounter(Protocol):
@@ -217,7 +219,11 @@ class LayerLoader:
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:
+                task = self._tasks.get(timeout=IDLE_POLL)
+            except queue.Empty:
+                self._drain_leftovers()
+                continue
             try:
                 if task is None:
                     return
@@ -226,6 +232,26 @@ class LayerLoader:
                 log.exception("kvstrata SGLang loader task failed")
             finally:
                 self._tasks.task_done()
+
+    def _drain_leftovers(self) -> None:
+        """While idle: a transfer that outlived its batch (held, stalled, failed late) still gets polled, so
+        it settles, its record is written and its locks go, with no engine step needed."""
+        with self._runtime_lock:
+            if self.runtime.connected and self.runtime.in_flight():
+                self.runtime.poll()
+                self._take_failures(())
+                self._failures.clear()  # no batch is running: these belong to batches SGLang already finished
+
+    def _failed(self, rids: Sequence[str], records: dict[str, Any]) -> dict[str, str]:
+        """The batch's failed loads: by their records (at once) or by the runtime's reports (a load that could
+        not even start has no record)."""
+        failed = self._take_failures(rids)
+        for rid, rec in records.items():
+            if rec is None and rid not in failed and rid not in self.runtime.in_flight():
+                failed[rid] = "the load did not start"
+            elif rec is not None and rec.failure and rid not in failed:
+                failed[rid] = rec.failure
+        return failed
 
     def _take_failures(self, request_ids: Sequence[str]) -> dict[str, str]:
         for report in self.runtime.take_load_failures():
@@ -240,15 +266,18 @@ class LayerLoader:
         try:
             with self._runtime_lock:
                 self.runtime.start_loads(batch.specs)
-                failed = self._wait_released(rids)
+                # Each load's record says at once when it failed; the runtime's failure *report* waits until a
+                # worker-placement copy has stopped, and a layer must not be completed meanwhile.
+                transfers = self.runtime.transfers
+                records = {r: transfers.records.get(r) for r in rids} if transfers is not None else {}
+                released: set[str] = set()
+                deadline = time.monotonic() + self.settings.retrieve_timeout
                 for layer in range(self.counter.num_layers):
+                    failed = self._wait_layer(layer, rids, released, deadline, records)
                     if failed:
                         break
-                    self.runtime.wait_for_layer(layer)  # bounded by layer_wait_timeout; a timeout fails the load
-                    failed = self._take_failures(rids)
-                    if not failed:
-                        self.counter.complete(batch.index, layer)  # the layer's bytes are in place
-                        completed += 1
+                    self.counter.complete(batch.index, layer)  # every load of the batch has its bytes in place
+                    completed += 1
                 self._settle(rids)
         except BaseException as exc:
             failed = failed or {r: f"{type(exc).__name__}: {exc}" for r in rids}
@@ -260,18 +289,33 @@ class LayerLoader:
                           self.counter.num_layers, reason)
                 self.counter.fail(batch.index, KvstrataLoadFailed(reason))
 
-    def _wait_released(self, rids: Sequence[str]) -> dict[str, str]:
-        """Poll until the runtime released every load of the batch (first slice landed) or one failed."""
-        pending = set(rids)
-        deadline = time.monotonic() + self.settings.retrieve_timeout
+    def _wait_layer(self, layer: int, rids: Sequence[str], released: set[str], deadline: float,
+                    records: dict[str, Any]) -> dict[str, str]:
+        """Return once every load of the batch has ``layer`` in place (empty dict), or their failures.
+
+        The runtime's layer wait covers the loads it has released (first slice landed). In worker placement
+        the copies of one batch run one after another, so a later load is released only once the earlier
+        ones have moved on: the wait is made again whenever more of the batch was released, and the layer
+        is done when a wait made after the last release returned. Bounded by ``retrieve_timeout`` for the
+        batch, and each runtime wait by ``layer_wait_timeout``.
+        """
+        waited_with: set[str] | None = None
         while True:
-            pending -= set(self.runtime.poll()[1])
-            failed = self._take_failures(rids)
-            if failed or not pending:
+            released |= set(self.runtime.poll()[1]) & set(rids)
+            failed = self._failed(rids, records)
+            if failed:
                 return failed
+            if released != waited_with:
+                self.runtime.wait_for_layer(layer)  # a timeout fails the load: its record says so at once
+                waited_with = set(released)
+                failed = self._failed(rids, records)
+                if failed:
+                    return failed
+            if waited_with >= set(rids):
+                return {}
             if time.monotonic() > deadline:
                 return {r: f"not released within retrieve_timeout {self.settings.retrieve_timeout:.1f}s"
-                        for r in pending}
+                        for r in set(rids) - released}
             time.sleep(POLL_INTERVAL)
 
     def _settle(self, rids: Sequence[str]) -> None:
