@@ -86,6 +86,8 @@ class LayerLoader:
         self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout)
         self._queued: dict[str, LoadSpec] = {}
         self._failures: dict[str, str] = {}
+        self._reported: set[str] = set()
+        """Loads whose failure the runtime reported (and recorded) since their batch started."""
         self._offload_results: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._runtime_lock = threading.Lock()
@@ -241,6 +243,7 @@ class LayerLoader:
                 self.runtime.poll()
                 self._take_failures(())
                 self._failures.clear()  # no batch is running: these belong to batches SGLang already finished
+                self._reported.clear()
 
     def _failed(self, rids: Sequence[str], records: dict[str, Any]) -> dict[str, str]:
         """The batch's failed loads: by their records (at once) or by the runtime's reports (a load that could
@@ -253,10 +256,22 @@ class LayerLoader:
                 failed[rid] = rec.failure
         return failed
 
+    def _record_unreported(self, failed: dict[str, str]) -> None:
+        """SGLang aborts these requests now: the runtime's record must say why now, too. A load whose copy
+        is still stalled has no failure report yet (the runtime writes one once the copy stops): the loader
+        writes the record's ``load_failed`` for it, saying the copy had not stopped."""
+        for rid, why in failed.items():
+            if rid in self._reported:
+                self._reported.discard(rid)
+                continue
+            self.runtime.record.write("load_failed", request_id=rid, rank=self.runtime.rank, reason=why,
+                                      copy_stopped=False)
+
     def _take_failures(self, request_ids: Sequence[str]) -> dict[str, str]:
         for report in self.runtime.take_load_failures():
             if isinstance(report, SglangLoadFailure):
                 self._failures[report.request_id] = report.reason
+                self._reported.add(report.request_id)
         return {r: self._failures.pop(r) for r in request_ids if r in self._failures}
 
     def _load(self, batch: _Batch) -> None:
@@ -278,7 +293,9 @@ class LayerLoader:
                         break
                     self.counter.complete(batch.index, layer)  # every load of the batch has its bytes in place
                     completed += 1
-                self._settle(rids)
+                self._settle(rids)  # a failed copy gets (bounded) time to stop: SGLang frees the slots next
+                if failed:
+                    self._record_unreported(failed)
         except BaseException as exc:
             failed = failed or {r: f"{type(exc).__name__}: {exc}" for r in rids}
             raise
