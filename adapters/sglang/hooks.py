@@ -34,7 +34,7 @@ from kvstrata.core.adapter_api.types import (
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend
 from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
 
-from .kv_layout import SglangKVBuffers, describe_buffers
+from .kv_layout import SglangHostPool, SglangKVBuffers, describe_buffers, describe_host_pool
 
 NAME = "sglang"
 
@@ -48,12 +48,18 @@ class SglangLoadFailure:
 
 
 def describe(kv_caches: Any, placement: str) -> KVCacheDescription:
-    if not isinstance(kv_caches, SglangKVBuffers):
-        raise TypeError(f"the SGLang adapter registers SglangKVBuffers, got {type(kv_caches).__name__}")
+    """SGLang's device pool (the linker's) or its HiCache host pool (the storage backend's)."""
+    if isinstance(kv_caches, SglangKVBuffers):
+        describe_one = describe_buffers
+    elif isinstance(kv_caches, SglangHostPool):
+        describe_one = describe_host_pool
+    else:
+        raise TypeError(f"the SGLang adapter registers SglangKVBuffers or SglangHostPool, got "
+                        f"{type(kv_caches).__name__}")
     if placement != PLACEMENT_WORKER:
-        raise NotSupported("SGLang allocates its KV pool in private memory (CPU) or its own CUDA context, which "
+        raise NotSupported("SGLang allocates its KV pools in private memory (CPU) or its own CUDA context, which "
                            "the server cannot map: the worker copies (worker placement)")
-    layout, regions = describe_buffers(kv_caches)
+    layout, regions = describe_one(kv_caches)
     return KVCacheDescription(layout, regions, str(kv_caches.device) if kv_caches.device.type == "cuda" else "cpu")
 
 

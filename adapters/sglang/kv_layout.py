@@ -114,3 +114,72 @@ def blocks_of_slots(slots: torch.Tensor, page_size: int) -> list[int]:
         raise LayoutError("the token slots are not whole, page-aligned pages (SGLang's paged allocator hands "
                           "those out when page_size > 1)")
     return (starts // page_size).tolist()
+
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+"""SGLang HiCache host layouts kvstrata's storage backend describes (``--hicache-mem-layout``)."""
+
+
+@dataclass(frozen=True)
+class SglangHostPool:
+    """SGLang's HiCache host pool (``MHATokenToKVPoolHost``): its K and V tensors in one host layout.
+
+    Shapes per layout (SGLang's ``init_kv_buffer``), for K and for V:
+    ``layer_first`` ``[layers, slots, heads, dim]``, ``page_first`` ``[slots, layers, heads, dim]``,
+    ``page_first_direct`` ``[pages, layers, page, heads, dim]``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str
+    page_size: int
+
+    @classmethod
+    def from_host_pool(cls, host_pool: Any) -> SglangHostPool:
+        layout = getattr(host_pool, "layout", None)
+        if layout not in HOST_LAYOUTS:
+            raise LayoutError(f"SGLang host layout {layout!r}: kvstrata's HiCache backend describes {HOST_LAYOUTS}")
+        if getattr(host_pool, "k_buffer", None) is None or getattr(host_pool, "v_buffer", None) is None:
+            raise LayoutError(f"{type(host_pool).__name__} has no k_buffer/v_buffer: only MHA host pools are "
+                              "supported by kvstrata's HiCache backend")
+        return cls(host_pool.k_buffer, host_pool.v_buffer, layout, int(host_pool.page_size))
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+
+def describe_host_pool(pool: SglangHostPool) -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The strided layout of a HiCache host pool: region 0 is K, region 1 is V, both in ``pool.layout``."""
+    k, v, ps = pool.k, pool.v, pool.page_size
+    if k.shape != v.shape or k.dtype != v.dtype or not k.is_contiguous() or not v.is_contiguous():
+        raise LayoutError(f"SGLang host K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} must be "
+                          "contiguous tensors of one shape (kvstrata's planes share one head size)")
+    if k.dtype not in TORCH_DTYPES:
+        raise LayoutError(f"SGLang host KV dtype {k.dtype} is not one kvstrata moves")
+    es = k.element_size()
+    if pool.layout == "layer_first":
+        layers, slots, heads, dim = k.shape
+        hb = dim * es
+        layer_offset, token_stride = slots * heads * hb, heads * hb
+        block_stride = ps * token_stride
+    elif pool.layout == "page_first":
+        slots, layers, heads, dim = k.shape
+        hb = dim * es
+        layer_offset, token_stride = heads * hb, layers * heads * hb
+        block_stride = ps * token_stride
+    else:  # page_first_direct
+        pages, layers, page, heads, dim = k.shape
+        if page != ps:
+            raise LayoutError(f"SGLang page_first_direct host pool pages of {page} tokens, page size {ps}")
+        slots, hb = pages * page, dim * es
+        layer_offset, token_stride = page * heads * hb, heads * hb
+        block_stride = layers * page * heads * hb
+    regions = [k.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)]
+    layout = PagedKVLayout(
+        format=f"sglang-host-{pool.layout}", num_layers=layers, kv_size=2, num_blocks=slots // ps, block_size=ps,
+        num_heads=heads, head_bytes=hb, dtype=TORCH_DTYPES[k.dtype],
+        offsets=tuple(((0, l * layer_offset), (1, l * layer_offset)) for l in range(layers)),
+        block_stride=block_stride, token_stride=token_stride, head_stride=hb,
+        regions=(Region("local", regions[0].numel()), Region("local", regions[1].numel())))
+    return layout, regions
