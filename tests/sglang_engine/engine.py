@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -20,6 +21,12 @@ LAYERS, KV_HEADS, HEAD_SIZE = 4, 2, 64  # the runner's make_model: hidden 256, 4
 TOL = 1e-4  # float32 on CPU; the same prompt alone and in a batch agrees to ~1e-6
 LINKER = {"linker": "KvstrataLinker", "linker_module_path": "kvstrata.adapters.sglang.linker"}
 CALLS_ENV = "KVSTRATA_TEST_SGL_KERNEL_CALLS"
+
+_rng = random.Random(7)
+P1 = [_rng.randrange(3, 999) for _ in range(200)]  # 12 whole pages
+P2 = [_rng.randrange(3, 999) for _ in range(150)]  # 9 whole pages
+P3 = P1 + [_rng.randrange(3, 999) for _ in range(70)]  # extends P1: its 12 pages load, the rest is computed
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
 
 
 def engine_env(tmp: Path, name: str, *, slice_hold: SliceHold | None = None, hicache_cpu: bool = False
@@ -77,3 +84,16 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 def read_record(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def hicache_engine(server_address: str, record: Path, layout: str, **settings: Any) -> dict[str, Any]:
+    """SGLang's HiCache with kvstrata's storage backend (v1 zero-copy), host layout ``layout``, IO backend
+    ``direct`` (the one whose copies run on CPU, see hicache_cpu.py), and prefetches that wait until they
+    complete (the hits must not depend on how fast this machine is)."""
+    extra = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang.hicache",
+             "class_name": "KvstrataHiCacheStorage", "interface_v1": 1, "prefetch_threshold": PAGE,
+             "server_address": server_address, "record_path": str(record), **settings}
+    return {"enable_hierarchical_cache": True, "hicache_mem_layout": layout, "hicache_io_backend": "direct",
+            "hicache_ratio": 2.0, "hicache_storage_backend": "dynamic",
+            "hicache_storage_prefetch_policy": "wait_complete",
+            "hicache_storage_backend_extra_config": json.dumps(extra)}

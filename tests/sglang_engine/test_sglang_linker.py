@@ -5,7 +5,7 @@ subprocess (sglang_runner.py) that goes through a list of steps, so one engine s
 checks: a CPU engine takes some 20 s to start. ``flush_cache`` between steps drops SGLang's own device
 prefix cache, so a prompt seen before can only come back from kvstrata.
 
-The engines: a baseline without kvstrata; a first linker engine that computes and offloads prompts, then
+The engines: a baseline without kvstrata (conftest.py, shared with the HiCache tests); a first linker engine that computes and offloads prompts, then
 loads them (alone, two in one batch, a prompt extending a cached one) and has one load fail part way; a
 fresh linker engine that reads what the first stored, with a control that alters one stored layer, and
 that goes on serving after the server is killed.
@@ -23,33 +23,19 @@ from engine import (  # noqa: E402  (beside this file)
     HEAD_SIZE,
     KV_HEADS,
     LAYERS,
+    P1,
+    P2,
+    P3,
     PAGE,
     assert_same,
     linker_engine,
-    make_model,
     read_record,
     run_sglang,
 )
 from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
 from kvstrata.core.testing.slice_hold import UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 
-rng = random.Random(7)
-P1 = [rng.randrange(3, 999) for _ in range(200)]  # 12 whole pages
-P2 = [rng.randrange(3, 999) for _ in range(150)]  # 9 whole pages
-P3 = P1 + [rng.randrange(3, 999) for _ in range(70)]  # extends P1: its 12 pages load, the rest is computed
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
 FLUSH = {"flush": True}
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sglang")
-    make_model(tmp / "model")
-    steps = []
-    for prompt in PROMPTS.values():
-        steps += [{"generate": [prompt]}, FLUSH]
-    base = run_sglang(tmp, "baseline", steps)
-    return tmp, {name: base["steps"][2 * i][0] for i, name in enumerate(PROMPTS)}
 
 
 @pytest.fixture(scope="module")
