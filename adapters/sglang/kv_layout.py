@@ -179,7 +179,7 @@ def describe_host_pool(pool: SglangHostPool) -> tuple[PagedKVLayout, list[torch.
     layout = PagedKVLayout(
         format=f"sglang-host-{pool.layout}", num_layers=layers, kv_size=2, num_blocks=slots // ps, block_size=ps,
         num_heads=heads, head_bytes=hb, dtype=TORCH_DTYPES[k.dtype],
-        offsets=tuple(((0, l * layer_offset), (1, l * layer_offset)) for l in range(layers)),
+        offsets=tuple(((0, i * layer_offset), (1, i * layer_offset)) for i in range(layers)),
         block_stride=block_stride, token_stride=token_stride, head_stride=hb,
         regions=(Region("local", regions[0].numel()), Region("local", regions[1].numel())))
     return layout, regions

@@ -5,15 +5,13 @@ subprocess (sglang_runner.py) that goes through a list of steps, so one engine s
 checks: a CPU engine takes some 20 s to start. ``flush_cache`` between steps drops SGLang's own device
 prefix cache, so a prompt seen before can only come back from kvstrata.
 
-The engines: a baseline without kvstrata (conftest.py, shared with the HiCache tests); a first linker engine that computes and offloads prompts, then
-loads them (alone, two in one batch, a prompt extending a cached one) and has one load fail part way; a
-fresh linker engine that reads what the first stored, with a control that alters one stored layer, and
-that goes on serving after the server is killed.
+The engines: a baseline without kvstrata (conftest.py, shared with the HiCache tests); a first linker
+engine that computes and offloads prompts, then loads them (alone, two in one batch, a prompt extending a
+cached one) and has one load fail part way; a fresh linker engine that reads what the first stored, with
+a control that alters one stored layer, and that goes on serving after the server is killed.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
