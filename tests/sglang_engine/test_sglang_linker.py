@@ -153,4 +153,5 @@ def test_a_fresh_engine_reads_what_the_first_stored_and_an_altered_layer_changes
     assert {"fresh-p1", "fresh-p3", "fresh-p2-altered"} <= loads, loads
     assert not loads & {"down-p1", "down-p2"}, loads
     assert not [e for e in events if e["event"] == "load_failed"], events
-    assert "did not answer LOOKUP" in out["log"]
+    # the dead server's LOOKUPs time out (or fail, if the transport notices first): said in the log either way
+    assert "did not answer LOOKUP" in out["log"] or "computes the prompt instead" in out["log"]
