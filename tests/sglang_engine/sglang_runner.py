@@ -13,6 +13,7 @@ A step is one of
   {"kill": pid}                                         SIGKILL a process (the kvstrata server) and wait
   {"open_hold": prefix}                                 open the test-only slice hold for that prefix
   {"corrupt": {...}}                                    alter one layer of what kvstrata stored (support.py)
+  {"wait_stored": {...}}                                wait until the server holds a prompt's pages (support.py)
 Each generate result is a list of {"tokens", "logprobs"} or {"error": "..."} per prompt.
 
 Run with ``tests/sglang_engine/standin`` first on PYTHONPATH (the ``sgl_kernel`` import stand-in and the
@@ -95,6 +96,10 @@ def main(config_path: str, out_path: str) -> int:
 
                 SliceHold(os.environ[ENVIRONMENT_VARIABLE]).open(step["open_hold"])
                 result["steps"].append({"opened": step["open_hold"]})
+            elif "wait_stored" in step:
+                import support
+
+                result["steps"].append({"stored": support.wait_stored(**step["wait_stored"])})
             elif "corrupt" in step:
                 import support
 

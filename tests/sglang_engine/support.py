@@ -70,3 +70,28 @@ def corrupt_stored_layer(*, server_address: str, model: str, tokens: list[int], 
         finally:
             client.close()
             staging.destroy()
+
+
+def wait_stored(*, server_address: str, model: str, tokens: list[int], page_size: int,
+                timeout: float = 120.0) -> dict[str, Any]:
+    """Block until the server holds every whole page of ``tokens``, each under its one-page key (how the
+    HiCache backend stores): HiCache backs pages up to storage on its own thread, and a check that needs
+    them stored must not depend on how soon that thread gets to them. Bounded: only catches a hang."""
+    import time
+
+    hashes = sglang_page_hashes(tokens, page_size)
+    client = CacheClient(server_address, timeout=10.0)
+    owner = f"test-wait-stored-{next(_instances)}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            held = sum(client.lookup(CacheKey.for_page_hashes(owner, [h], page_size, model=model)) > 0
+                       for h in hashes)
+            client.end_session(owner)
+            if held == len(hashes):
+                return {"pages": held}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server holds {held} of the prompt's {len(hashes)} pages after {timeout:.0f}s")
+            time.sleep(0.05)
+    finally:
+        client.close()

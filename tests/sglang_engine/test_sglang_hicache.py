@@ -21,6 +21,7 @@ from engine import P1, P2, P3, PAGE, assert_same, hicache_engine, read_record, r
 from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
 
 FLUSH = {"flush": True}
+MODEL = "hicache-test-model"
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +37,21 @@ def storage_loads(record: list[dict]) -> list[dict]:
 def test_storage_hits_equal_a_run_without_kvstrata_and_a_fresh_engine_in_another_layout_reads_them(work, server):
     tmp, base = work
     writer_record = tmp / "hicache-writer.jsonl"
+    stored = {name: {"wait_stored": {"server_address": server.address, "model": MODEL, "tokens": p,
+                                     "page_size": PAGE}} for name, p in (("P1", P1), ("P2", P2))}
     writer = run_sglang(tmp, "hicache-writer", [
-        {"generate": [P1]}, {"generate": [P2]}, FLUSH,   # 0, 1: computed, backed up to kvstrata
-        {"generate": [P1]}, FLUSH,                       # 3: from storage
-        {"generate": [P3]},                              # 5: P1's pages from storage, the rest computed
-    ], hicache_engine(server.address, writer_record, "layer_first"), hicache_cpu=True)
+        {"generate": [P1]}, {"generate": [P2]},          # 0, 1: computed, backed up to kvstrata
+        stored["P1"], stored["P2"], FLUSH,               # HiCache's backup thread has stored every page
+        {"generate": [P1]}, FLUSH,                       # 5: from storage
+        {"generate": [P3]},                              # 7: P1's pages from storage, the rest computed
+    ], hicache_engine(server.address, writer_record, "layer_first", model_name=MODEL), hicache_cpu=True)
     s = writer["steps"]
     assert_same(s[0][0], base["P1"], "P1, computed (HiCache layer_first)")
     assert_same(s[1][0], base["P2"], "P2, computed (HiCache layer_first)")
-    assert_same(s[3][0], base["P1"], "P1 after flush_cache, from kvstrata storage")
-    assert_same(s[5][0], base["P3"], "P3, extending P1")
-    assert s[3][0]["cached_tokens"] >= 12 * PAGE, s[3][0]  # P1's 12 whole pages came back
+    assert s[2]["stored"]["pages"] == 12 and s[3]["stored"]["pages"] == 9, s[2:4]
+    assert_same(s[5][0], base["P1"], "P1 after flush_cache, from kvstrata storage")
+    assert_same(s[7][0], base["P3"], "P3, extending P1")
+    assert s[5][0]["cached_tokens"] >= 12 * PAGE, s[5][0]  # P1's 12 whole pages came back
     record = read_record(writer_record)
     assert any(e["event"] == "stored" for e in record), "the writer stored nothing in kvstrata"
     assert len(storage_loads(record)) >= 12, storage_loads(record)
@@ -55,7 +60,7 @@ def test_storage_hits_equal_a_run_without_kvstrata_and_a_fresh_engine_in_another
     reader_record = tmp / "hicache-reader.jsonl"
     reader = run_sglang(tmp, "hicache-reader", [
         {"generate": [P1]}, FLUSH, {"generate": [P2]},
-    ], hicache_engine(server.address, reader_record, "page_first_direct"), hicache_cpu=True)
+    ], hicache_engine(server.address, reader_record, "page_first_direct", model_name=MODEL), hicache_cpu=True)
     r = reader["steps"]
     assert_same(r[0][0], base["P1"], "P1 in a fresh page_first_direct engine, stored by the layer_first one")
     assert_same(r[2][0], base["P2"], "P2 in a fresh page_first_direct engine")
