@@ -217,7 +217,7 @@ class Rig:
         try:
             self.driver.prefill(prompt, blocks)
             self.driver.store(rid, prompt, blocks)
-            probe = CacheKey.for_tokens(f"{rid}-probe", prompt[:k], model=MODEL)
+            probe = self._probe_key(f"{rid}-probe", prompt[:k])
             try:
                 hit = self.client.lookup(probe)
             finally:
@@ -231,6 +231,14 @@ class Rig:
             self.driver.free(blocks)
         self._stored[tuple(prompt)] = (hit, truth)
         return hit, truth
+
+    def _probe_key(self, request_id: str, tokens: list[int]) -> CacheKey:
+        """The key the engine side stores ``tokens`` under: by token ids, unless the driver says otherwise
+        (an engine that keys by its own page hashes, SGLang's, gives ``lookup_key``)."""
+        lookup_key = getattr(self.driver, "lookup_key", None)
+        if lookup_key is not None:
+            return lookup_key(request_id, tokens, MODEL)
+        return CacheKey.for_tokens(request_id, tokens, model=MODEL)
 
     def submit(self, prompt: list[int], *, hold_reply: bool = False,
                hold_after_slices: int | None = None) -> Retrieval:

@@ -69,6 +69,17 @@ def test_a_key_by_page_hashes_names_each_chunk_by_its_last_page():
     assert CacheKey.from_wire(key.to_wire()) == key
 
 
+def test_a_tail_keyed_from_another_page_never_matches_a_stored_partial_chunk():
+    """SGLang keys the tail past its own device hit, which may start at any page: a chunk of pages 3-6 ends
+    where a stored partial chunk of pages 4-6 ends, yet covers other pages, so their digests must differ."""
+    hashes = [f"page-{i}" for i in range(7)]  # chunks of 4 pages: stored as 0-3 and the partial 4-6
+    stored = page_key("s", hashes).chunk_hashes(64)
+    tail = page_key("t", hashes[3:]).chunk_hashes(64)  # 3-6: one chunk, ending at page 6 too
+    assert len(stored) == 2 and len(tail) == 1
+    assert tail[0] not in stored
+    assert page_key("t2", hashes[4:]).chunk_hashes(64) == stored[1:]  # the same pages: the same chunk
+
+
 def test_page_hash_keys_never_collide_with_token_keys_or_other_shards():
     hashes = [f"page-{i}" for i in range(4)]
     by_pages = page_key("r", hashes).chunk_hashes(64)

@@ -177,3 +177,7 @@ class ConformanceDriver(Protocol):
 
     def close(self) -> None:
         ...
+
+    # Optional: ``lookup_key(request_id, token_ids, model) -> CacheKey``, the key the engine side stores a
+    # prompt under, for an engine that keys by its own page hashes (SGLang); the suite probes by token ids
+    # without it.

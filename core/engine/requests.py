@@ -43,9 +43,15 @@ class LoadSpec:
     block_ids: tuple[tuple[int, ...], ...]
     skip: int
     layers_per_stage: int
+    page_hashes: tuple[str, ...] | None = None
+    """An engine that names prompts by its own page-hash chain (SGLang) sets these and leaves ``tokens``
+    empty: the key is then :meth:`CacheKey.for_page_hashes`."""
+    page_size: int = 0
 
     @property
     def num_tokens(self) -> int:
+        if self.page_hashes is not None:
+            return len(self.page_hashes) * self.page_size
         return len(self.tokens) // 8
 
 
@@ -58,6 +64,9 @@ class StoreSpec:
     salt: str | None
     block_ids: tuple[tuple[int, ...], ...]
     skip: int
+    page_hashes: tuple[str, ...] | None = None
+    """As in :class:`LoadSpec`: the engine's page-hash chain instead of ``tokens``."""
+    page_size: int = 0
 
 
 def lock_owner(request_id: str, rank: int, world_size: int) -> str:
@@ -66,9 +75,10 @@ def lock_owner(request_id: str, rank: int, world_size: int) -> str:
 
 
 def shard_key(request_id: str, model: str, tokens: bytes, salt: str | None, *, rank: int,
-              world_size: int) -> CacheKey:
-    """The key of one rank's shard of a prompt."""
-    return CacheKey(lock_owner(request_id, rank, world_size), model, world_size, rank, tokens, salt)
+              world_size: int, page_hashes: tuple[str, ...] | None = None, page_size: int = 0) -> CacheKey:
+    """The key of one rank's shard of a prompt (by its token ids, or by the engine's page hashes if given)."""
+    return CacheKey(lock_owner(request_id, rank, world_size), model, world_size, rank, tokens, salt,
+                    page_hashes, page_size)
 
 
 def shard_keys(request: PromptRequest, num_tokens: int, model: str, world_size: int) -> list[CacheKey]:

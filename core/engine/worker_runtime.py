@@ -118,6 +118,14 @@ class WorkerRuntime:
         raise NotSupported(f"adapter {self.adapter.name!r} cannot describe this cache for any placement: "
                            + "; ".join(reasons))
 
+    def connect(self) -> bool:
+        """Registered with the server, or registering now (at most every RECONNECT_INTERVAL seconds)?
+
+        For an engine whose loads cannot be refused once started (SGLang aborts a request whose load fails):
+        its adapter asks this before it accepts a load, so a server that is down means computing, not failing.
+        """
+        return self._connect()
+
     def _connect(self) -> bool:
         """Build the transfer machinery and register with the server; False (retry later) if it is down."""
         if self.transfers is not None:
@@ -190,7 +198,7 @@ class WorkerRuntime:
             return
         for spec in loads:
             key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                            world_size=self.world_size)
+                            world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                            layers_per_stage=spec.layers_per_stage, running=running)
             self.stats.bump(loads_started=1)
@@ -325,7 +333,7 @@ class WorkerRuntime:
 
     def _store_one(self, spec: StoreSpec) -> dict[str, Any]:
         key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                        world_size=self.world_size)
+                        world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
         if self.placement == PLACEMENT_WORKER:
             return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip)
         return self.client.store(key, self.instance_id, [list(g) for g in spec.block_ids],

@@ -56,7 +56,7 @@ class CacheKey:
     salt: str | None = None
     page_hashes: tuple[str, ...] | None = None
     """The engine's per-page prefix hashes instead of token ids (``tokens`` is then empty): page i's hash
-    covers every token up to the end of page i, so a chunk's key is its last page's hash."""
+    covers every token up to the end of page i, so a chunk's key is its first and last pages' hashes."""
     page_size: int = 0
 
     def __post_init__(self) -> None:
@@ -148,8 +148,14 @@ class CacheKey:
             yield prev
 
     def _page_chunk_hashes(self, chunk_size: int) -> Iterator[bytes]:
-        """A key by page hashes: chunk i's digest is its last page's hash under the shard's seed (a partial last
-        chunk's is its last page's too). Never equal to a token-keyed chunk's: the seed says "pages"."""
+        """A key by page hashes: chunk i's digest is its first and its last page's hash under the shard's seed.
+
+        The last page's hash names the whole prefix up to the chunk's end; the first page's names where the
+        chunk starts. Both are needed because an engine may key a tail that starts at any page (SGLang keys
+        what lies past its own device hit): by the last page alone, a chunk of pages 3-18 would share its
+        digest with a stored partial chunk of pages 16-18 and a hit would load those three pages' bytes into
+        pages 3-5. With both, a chunk only ever matches one covering exactly the same pages. Never equal to a
+        token-keyed chunk's: the seed says "pages"."""
         if chunk_size % self.page_size:
             raise ValueError(f"the server's chunk size {chunk_size} is not a multiple of the engine's page size "
                              f"{self.page_size}: keys by page hash need whole pages per chunk")
@@ -161,5 +167,7 @@ class CacheKey:
         n = len(self.page_hashes)
         for start in range(0, n, per_chunk):
             h = hashlib.blake2b(prefix, digest_size=16)
+            h.update(self.page_hashes[start].encode())
+            h.update(b"\x00")
             h.update(self.page_hashes[min(start + per_chunk, n) - 1].encode())
             yield h.digest()

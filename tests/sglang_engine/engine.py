@@ -1,0 +1,99 @@
+"""Running the SGLang runner as a subprocess from the tests: the environment, the model, the comparisons."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold
+
+HERE = Path(__file__).parent
+RUNNER = HERE / "sglang_runner.py"
+STANDIN = HERE / "standin"
+PAGE = 16
+LAYERS, KV_HEADS, HEAD_SIZE = 4, 2, 64  # the runner's make_model: hidden 256, 4 heads, 2 KV heads
+TOL = 1e-4  # float32 on CPU; the same prompt alone and in a batch agrees to ~1e-6
+LINKER = {"linker": "KvstrataLinker", "linker_module_path": "kvstrata.adapters.sglang.linker"}
+CALLS_ENV = "KVSTRATA_TEST_SGL_KERNEL_CALLS"
+
+_rng = random.Random(7)
+P1 = [_rng.randrange(3, 999) for _ in range(200)]  # 12 whole pages
+P2 = [_rng.randrange(3, 999) for _ in range(150)]  # 9 whole pages
+P3 = P1 + [_rng.randrange(3, 999) for _ in range(70)]  # extends P1: its 12 pages load, the rest is computed
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
+
+
+def engine_env(tmp: Path, name: str, *, slice_hold: SliceHold | None = None, hicache_cpu: bool = False
+               ) -> dict[str, str]:
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(STANDIN), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env[CALLS_ENV] = str(tmp / f"{name}-sgl-kernel-calls")
+    env.pop(ENVIRONMENT_VARIABLE, None)
+    env.pop("KVSTRATA_TEST_SGLANG_HICACHE_CPU", None)
+    if slice_hold is not None:
+        env[ENVIRONMENT_VARIABLE] = str(slice_hold.directory)
+    if hicache_cpu:
+        env["KVSTRATA_TEST_SGLANG_HICACHE_CPU"] = "1"
+    return env
+
+
+def make_model(path: Path) -> None:
+    subprocess.run([sys.executable, str(RUNNER), "make-model", str(path)], check=True, capture_output=True,
+                   timeout=300, env=engine_env(path.parent, "make-model"))
+
+
+def run_sglang(tmp: Path, name: str, steps: list[dict[str, Any]], engine: dict[str, Any] | None = None, *,
+               slice_hold: SliceHold | None = None, hicache_cpu: bool = False, timeout: float = 600) -> dict:
+    """One engine, a fresh interpreter, through ``steps``; fails the test if the stand-in kernel was called."""
+    cfg = {"model": str(tmp / "model"), "engine": engine or {}, "steps": steps, "max_tokens": 8}
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    env = engine_env(tmp, name, slice_hold=slice_hold, hicache_cpu=hicache_cpu)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(RUNNER), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    log = proc.stdout + proc.stderr
+    (tmp / f"{name}.log").write_text(log)
+    assert proc.returncode == 0, f"SGLang run {name} failed:\n{log[-6000:]}"
+    calls = Path(env[CALLS_ENV])
+    assert not calls.exists(), f"SGLang run {name} called the sgl_kernel stand-in: {sorted(os.listdir(calls))}"
+    out = json.loads((tmp / f"{name}.out").read_text())
+    out["wall_s"] = time.monotonic() - started
+    out["log"] = log
+    return out
+
+
+def linker_engine(server_address: str, record: Path, **settings: Any) -> dict[str, Any]:
+    extra = {"server_address": server_address, "layers_per_stage": 1, "record_path": str(record),
+             "lookup_timeout": 2.0, "layer_wait_timeout": 5.0, **settings}
+    return {"enable_unified_cache_external_linker": True, "unified_cache_external_linker_backend": "dynamic",
+            "unified_cache_external_linker_config": {**LINKER, "linker_extra_config": extra}}
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    assert "error" not in got, f"{what}: the request failed: {got['error']}"
+    assert got["tokens"] == want["tokens"], f"{what}: tokens {got['tokens']} != {want['tokens']}"
+    diff = max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"], strict=True))
+    assert diff < TOL, f"{what}: logprobs differ by {diff}"
+
+
+def read_record(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def hicache_engine(server_address: str, record: Path, layout: str, **settings: Any) -> dict[str, Any]:
+    """SGLang's HiCache with kvstrata's storage backend (v1 zero-copy), host layout ``layout``, IO backend
+    ``direct`` (the one whose copies run on CPU, see hicache_cpu.py), and prefetches that wait until they
+    complete (the hits must not depend on how fast this machine is)."""
+    extra = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang.hicache",
+             "class_name": "KvstrataHiCacheStorage", "interface_v1": 1, "prefetch_threshold": PAGE,
+             "server_address": server_address, "record_path": str(record), **settings}
+    return {"enable_hierarchical_cache": True, "hicache_mem_layout": layout, "hicache_io_backend": "direct",
+            "hicache_ratio": 2.0, "hicache_storage_backend": "dynamic",
+            "hicache_storage_prefetch_policy": "wait_complete",
+            "hicache_storage_backend_extra_config": json.dumps(extra)}
