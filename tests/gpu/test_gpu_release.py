@@ -7,6 +7,7 @@ with its transfer future unresolved, a state the chunk-major path cannot reach.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvstrata.core.wire.client import CacheClient
@@ -20,7 +21,10 @@ TOKENS = 8192  # 8192 tokens x 32 layers x 2 x 8 heads x 128 x bf16 = 1 GiB
 CHUNK = 256
 
 
-def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tmp_path):
+@pytest.mark.parametrize("placement", ["server", "worker"])
+def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tmp_path, placement):
+    """``server``: the server copies over CUDA IPC; ``worker``: engine-executed, stored through
+    RESERVE_STORE/COMMIT_STORE and loaded from the mapped pool by this process's own copies."""
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -31,15 +35,28 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
     with ServerProcess(l1_bytes=(1 << 30) + (64 << 20), chunk_size=CHUNK) as srv:
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0)
-        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        area = None
+        if placement == "worker":
+            from kvstrata.core.engine.registration_area import RegistrationArea
+
+            area = RegistrationArea(cache.layout, chunk_size=CHUNK)
+            worker = LayerwiseWorker(client, 0, cache.layout, placement="worker", event_backend=backend,
+                                     local_regions=cache.region_tensors(), registration_layout=area.layout,
+                                     pool_writable=True)
+        else:
+            worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
         try:
             worker.register()
             prompt = torch.randint(0, 32000, (TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
             truth = cache.random_kv(TOKENS, seed=3)
             src = shuffled_blocks(0, nb, seed=1)
             cache.write(truth, src)
-            assert client.store(CacheKey.for_tokens("store", prompt, model="llama"), 0, [src],
-                                event_handle=backend.store_event_handle())["stored_tokens"] == TOKENS
+            store_key = CacheKey.for_tokens("store", prompt, model="llama")
+            if placement == "worker":
+                assert worker.store_to_pool(store_key, [src])["stored_tokens"] == TOKENS
+            else:
+                assert client.store(store_key, 0, [src],
+                                    event_handle=backend.store_event_handle())["stored_tokens"] == TOKENS
             dst = shuffled_blocks(nb, nb, seed=2)
             cache.poison(dst)
             key = CacheKey.for_tokens("big", prompt, model="llama")
@@ -58,4 +75,6 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             assert rec.released_at - rec.submitted_at < rec.completed_at - rec.submitted_at
         finally:
             worker.close()
+            if area is not None:
+                area.close()
             client.close()
