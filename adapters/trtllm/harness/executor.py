@@ -22,6 +22,13 @@ follows. One iteration of ``PyExecutor._executor_loop`` (py_executor.py), as the
 
 With ``overlap=True`` the order is ``_executor_loop_overlap``'s: iteration N+1 is scheduled, its loads
 started and its forward run before iteration N's sampled tokens are applied to the requests.
+
+The connector manager's steps above are ``KvCacheConnectorManager``'s methods in
+``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` at ``standin.SOURCE``: ``get_num_new_matched_tokens``
+412-436, ``update_state_after_alloc`` 560-562, ``build_scheduler_output`` 442-445 (which calls
+``KvCacheConnectorSchedulerOutputManager.build_scheduler_output``, 325-357),
+``take_scheduled_requests_pending_load`` 447-473, ``handle_metadata`` 475-481, ``request_finished`` 483-507,
+``get_finished`` 509-558, ``layer_pre_hook`` / ``layer_post_hook`` 567-572.
 """
 
 from __future__ import annotations
@@ -80,7 +87,9 @@ class LlmRequest:
 
 
 class KVCacheManager:
-    """Follows ``KVCacheManager`` (resource_manager.py) as the connector sees it: one primary pool per rank,
+    """Follows ``KVCacheManager`` (tensorrt_llm/_torch/pyexecutor/resource_manager.py:151-1154, lines at commit
+    d2a5560abdadfbdf496ce057696103e0509a71ed, as SOURCE's copy of that file is not stored; ``prepare_resources``
+    400-440, ``get_unique_primary_pool`` 820-821) as the connector sees it: one primary pool per rank,
     ``[num_blocks, num_layers, 2, block_size_elems]``, the same block ids on every rank."""
 
     def __init__(self, cfg: TinyConfig, num_blocks: int, pools: list[torch.Tensor]) -> None:
@@ -115,7 +124,8 @@ class KVCacheManager:
 
 @dataclass
 class _AsyncRequests:
-    """Follows ``AsyncRequests`` (kv_cache_connector.py): requests saving / loading asynchronously."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:239-286 (AsyncRequests)``: requests
+    saving / loading asynchronously."""
 
     saving: dict[int, LlmRequest] = field(default_factory=dict)
     loading: dict[int, LlmRequest] = field(default_factory=dict)
@@ -136,7 +146,8 @@ class _AsyncRequests:
 
 
 class _RequestTracker:
-    """Follows ``KvCacheConnectorSchedulerOutputRequest`` (kv_cache_connector.py)."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:289-316
+    (KvCacheConnectorSchedulerOutputRequest)``."""
 
     def __init__(self) -> None:
         self.block_ids: list[int] = []
@@ -156,7 +167,9 @@ class _RequestTracker:
 
 
 class ConnectorManager:
-    """Follows ``KvCacheConnectorManager`` (kv_cache_connector.py), with every rank in this one process.
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:364-572 (KvCacheConnectorManager)``,
+    with every rank in this one process; its ``build_scheduler_output`` also does the work of
+    ``KvCacheConnectorSchedulerOutputManager`` (same file, 319-361).
 
     Rank 0's scheduler answers are broadcast by pickling (TensorRT-LLM's ``mpi_broadcast``: its own ranks'
     channel, never kvstrata's wire); ``get_finished`` is all-gathered and intersected, each rank keeping its

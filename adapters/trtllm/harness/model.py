@@ -54,7 +54,8 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    """Named after TensorRT-LLM's ``DecoderLayer`` (tensorrt_llm/_torch/modules/decoder_layer.py): the module
+    """Named after TensorRT-LLM's ``DecoderLayer`` (tensorrt_llm/_torch/modules/decoder_layer.py:10-34, lines at
+    commit c85e8726ad9c0f4f4c182d8959f522c2e1fa50b7, as SOURCE's copy of that file is not stored): the module
     class PyExecutor registers the connector's forward pre- and post-hooks on (it reads ``layer_idx``)."""
 
     def __init__(self, cfg: TinyConfig, layer_idx: int, rank: int, world: int, weights: dict[str, torch.Tensor]):

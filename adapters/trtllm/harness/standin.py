@@ -6,7 +6,8 @@ imports its base classes from ``tensorrt_llm._torch.pyexecutor.kv_cache_connecto
 with TensorRT-LLM installed, so a test process registers these modules under those names first
 (:func:`install`). They are written from TensorRT-LLM's public sources at commit
 3277953654b9b2863dae4f1cb81856b172837db4 (``SOURCE``), without its code: same class names, method names,
-signatures and abstract methods, and each class names the file and definition it follows.
+signatures and abstract methods, and each class names the file, lines and definition it follows (lines
+at ``SOURCE``, unless another commit is named where SOURCE's copy of that file could not be read).
 
 :func:`install` refuses to shadow a real TensorRT-LLM and marks every module it makes
 (``KVSTRATA_STANDIN = True``), so nothing can mistake it for the engine.
@@ -36,13 +37,15 @@ def set_rank(rank: int) -> None:
 
 
 def mpi_rank() -> int:
-    """Follows ``tensorrt_llm/_utils.py: mpi_rank()`` (the MPI world rank of this process)."""
+    """Follows ``tensorrt_llm/_utils.py:526-533 (mpi_rank)`` (the MPI world rank of this process); lines at
+    commit ed53795b33fc139493f762a1c6c53f691cf52d38, as SOURCE's copy of _utils.py is not stored."""
     return getattr(_rank, "value", 0)
 
 
 @dataclass
 class RequestData:
-    """Follows ``RequestData`` in kv_cache_connector.py (one in-flight request in a SchedulerOutput)."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:59-70 (RequestData)`` (one in-flight
+    request in a SchedulerOutput)."""
 
     request_id: int
     new_tokens: list[int]
@@ -53,15 +56,17 @@ class RequestData:
 
 @dataclass
 class SchedulerOutput:
-    """Follows ``SchedulerOutput`` in kv_cache_connector.py (what ``build_connector_meta`` receives)."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:75-81 (SchedulerOutput)`` (what
+    ``build_connector_meta`` receives)."""
 
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
 
 
 class KvCacheConnectorWorker(ABC):
-    """Follows ``KvCacheConnectorWorker`` in kv_cache_connector.py: constructor, metadata binding, the optional
-    ``register_forward_pass_callable`` and the six abstract methods, with TensorRT-LLM's signatures."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:84-174 (KvCacheConnectorWorker)``:
+    constructor, metadata binding, the optional ``register_forward_pass_callable`` and the six abstract
+    methods, with TensorRT-LLM's signatures."""
 
     def __init__(self, llm_args: Any):
         self._llm_args = llm_args
@@ -107,7 +112,8 @@ class KvCacheConnectorWorker(ABC):
 
 
 class KvCacheConnectorScheduler(ABC):
-    """Follows ``KvCacheConnectorScheduler`` in kv_cache_connector.py: constructor and four abstract methods."""
+    """Follows ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py:177-235 (KvCacheConnectorScheduler)``:
+    constructor and four abstract methods."""
 
     def __init__(self, llm_args: Any):
         self._llm_args = llm_args
