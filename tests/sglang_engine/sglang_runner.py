@@ -30,22 +30,11 @@ import time
 from typing import Any
 
 
-def make_model(path: str, *, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-               vocab: int = 1000) -> None:
-    """A random-weight float32 Llama written by transformers: outputs really depend on the KV."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_model(path: str) -> None:
+    """This test suite's model: a random-weight float32 Llama whose outputs really depend on the KV."""
+    from kvstrata.core.testing.tiny_llama import write_random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:  # default init gives near-uniform logits; wider weights make tokens depend on context
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
+    write_random_llama(path, layers=4, hidden=256, heads=4, kv_heads=2)
 
 
 def _outputs(result: Any) -> list[dict[str, Any]]:
