@@ -4,8 +4,8 @@ Every host layout kvstrata's HiCache backend registers (``layer_first``, ``page_
 ``page_first_direct``, shapes as SGLang 0.5.23's ``MHATokenToKVPoolHost.init_kv_buffer``) and the device
 pool's per-layer ``[slots, heads, dim]`` buffers must address exactly the element SGLang's own indexing
 does: the strided view kvstrata copies through is compared with SGLang-style indexing of the same tensor.
-``page_first`` does not run in the CPU engine tests (its copies need CUDA kernels), so this is where its
-descriptor is checked. Also: SGLang token slots to block ids, and what is refused.
+These run without SGLang; the CPU engine tests (tests/sglang_engine) run all three layouts end to end.
+Also: SGLang token slots to block ids, and what is refused.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ _rng = random.Random(7)
 P1 = [_rng.randrange(3, 999) for _ in range(200)]  # 12 whole pages
 P2 = [_rng.randrange(3, 999) for _ in range(150)]  # 9 whole pages
 P3 = P1 + [_rng.randrange(3, 999) for _ in range(70)]  # extends P1: its 12 pages load, the rest is computed
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
+P4 = [_rng.randrange(3, 999) for _ in range(120)]  # 7 whole pages, first computed by a page_first HiCache engine
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
 
 
 def engine_env(tmp: Path, name: str, *, slice_hold: SliceHold | None = None, hicache_cpu: bool = False
@@ -86,14 +87,16 @@ def read_record(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def hicache_engine(server_address: str, record: Path, layout: str, **settings: Any) -> dict[str, Any]:
+def hicache_engine(server_address: str, record: Path, layout: str, io_backend: str = "direct",
+                   **settings: Any) -> dict[str, Any]:
     """SGLang's HiCache with kvstrata's storage backend (v1 zero-copy), host layout ``layout``, IO backend
-    ``direct`` (the one whose copies run on CPU, see hicache_cpu.py), and prefetches that wait until they
-    complete (the hits must not depend on how fast this machine is)."""
+    ``io_backend`` (``direct`` for ``layer_first`` / ``page_first_direct``, ``kernel`` for ``page_first``, which
+    SGLang would otherwise turn into ``page_first_direct``; hicache_cpu.py replaces the copies each calls), and
+    prefetches that wait until they complete (the hits must not depend on how fast this machine is)."""
     extra = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang.hicache",
              "class_name": "KvstrataHiCacheStorage", "interface_v1": 1, "prefetch_threshold": PAGE,
              "server_address": server_address, "record_path": str(record), **settings}
-    return {"enable_hierarchical_cache": True, "hicache_mem_layout": layout, "hicache_io_backend": "direct",
+    return {"enable_hierarchical_cache": True, "hicache_mem_layout": layout, "hicache_io_backend": io_backend,
             "hicache_ratio": 2.0, "hicache_storage_backend": "dynamic",
             "hicache_storage_prefetch_policy": "wait_complete",
             "hicache_storage_backend_extra_config": json.dumps(extra)}
