@@ -283,8 +283,13 @@ class WorkerRuntime:
 
     def _record_settled(self) -> None:
         t = self.transfers
+        in_flight = t.in_flight()
         for rid, rec in list(t.records.items()):
             if rec.completed_at is None and rec.failure is None:
+                continue
+            if rid in in_flight:
+                # settled but not handed back yet (it completed between this poll's release check and its
+                # settle): the poll that releases it reads this record for the release's numbers
                 continue
             self.record.write("settled", request_id=rid, rank=self.rank, layer_waits=rec.layer_waits,
                               failure=rec.failure, fallback=rec.fallback,
