@@ -15,7 +15,8 @@ Engine-agnostic: adapters translate their engine's calls into these four.
 Two placements share the gate. Server placement: the server writes into the
 engine's cache and publishes progress on the arrival board. Worker placement:
 the server only locks and locates the chunks; this process maps the L1 pool
-read-only and runs the same planner itself through its one transfer queue
+(read-only, or writable when it stores: :meth:`LayerwiseWorker.store_to_pool`)
+and runs the same planner itself through its one transfer queue
 (:mod:`kvstrata.core.engine.transfer_queue`), recording slices straight into the
 gate.
 """
