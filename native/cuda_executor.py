@@ -698,9 +698,10 @@ class CudaExecutor:
     def _direct_runs(self, job: TransferJob, first: int, count: int) -> list[tuple[int, int, int]] | None:
         """Copy-engine rows straight into the engine's cache, or None if the runs would be too short."""
         e, lay, row = self.engine, self.engine.layout, self.engine.row_bytes
-        if not e.dense_rows:
+        if not e.dense_rows or self._bind(job) * row < e.config.direct_copy_min_run:
+            # not even one run covering every token would be long enough: no need to work out the runs (a
+            # Python loop over every block, on the way to the first slice)
             return None
-        self._bind(job)
         key = ("runs",)
         runs = self._tables.get(key)
         if runs is None:
