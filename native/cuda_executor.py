@@ -901,15 +901,17 @@ class CudaLocalCopier:
             if e.copy_stream is not None:
                 e.copy_stream.wait_event(queued)
             try:
-                for offset, tokens, position in spans:
-                    job = TransferJob(e.layout, block_ids, [ChunkCopy(0, 0, tokens, position)])
-                    executor = self.executor([(offset, tokens)])
-                    try:
-                        executor.gather(job)
-                    finally:
-                        close = getattr(executor, "close", None)
-                        if close is not None:
-                            close()
+                # one job over every reserved object: one token table and one copy-engine job per piece of
+                # layers (the objects are normally back to back in the pool), not a table per object
+                job = TransferJob(e.layout, block_ids, [ChunkCopy(i, 0, tokens, position)
+                                                        for i, (_, tokens, position) in enumerate(spans)])
+                executor = self.executor([(offset, tokens) for offset, tokens, _ in spans])
+                try:
+                    executor.gather(job)
+                finally:
+                    close = getattr(executor, "close", None)
+                    if close is not None:
+                        close()
             except BaseException:
                 e.synchronize()  # nothing enqueued may still write into objects about to be dropped
                 raise

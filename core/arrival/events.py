@@ -124,10 +124,10 @@ class HostCopier:
         from kvstrata.core.transfer.torch_executor import TorchExecutor
 
         signature = self.layout.shape_signature()
-        for offset, tokens, position in spans:
-            obj = span_view(self.pool, signature, offset, tokens)
-            job = TransferJob(self.layout, block_ids, [ChunkCopy(0, 0, tokens, position)])
-            TorchExecutor(self.regions, [obj]).gather(job)
+        objects = [span_view(self.pool, signature, offset, tokens) for offset, tokens, _ in spans]
+        job = TransferJob(self.layout, block_ids, [ChunkCopy(i, 0, tokens, position)
+                                                   for i, (_, tokens, position) in enumerate(spans)])
+        TorchExecutor(self.regions, objects).gather(job)
         return None
 
     def close(self) -> None:
