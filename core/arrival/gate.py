@@ -48,6 +48,7 @@ class LayerArrivalGate:
         self._contiguous = 0
         self._failed: str | None = None
         self._cond = threading.Condition()
+        self._released = threading.Event()
 
     # --- transfer side ---------------------------------------------------------------
 
@@ -70,7 +71,20 @@ class LayerArrivalGate:
                 self._failed = reason
             self._cond.notify_all()
 
+    def wait_released(self, timeout: float) -> bool:
+        """Block (without the GIL) until the engine took the release (:meth:`mark_released`), at most ``timeout``
+        seconds; whether it did."""
+        return self._released.wait(timeout)
+
     # --- engine side -----------------------------------------------------------------
+
+    def mark_released(self) -> None:
+        """The request went back to the engine (the transfer side may be waiting to see that)."""
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
 
     @property
     def arrived_layers(self) -> int:

@@ -201,6 +201,7 @@ class LayerwiseWorker:
                 inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
         if running:
             inflight.released = True
+            gate.mark_released()
             record.released_at, record.released_before_complete = record.submitted_at, True
         with self._lock:
             self._inflight[request_id] = inflight
@@ -305,6 +306,7 @@ class LayerwiseWorker:
                     # A failed retrieve is released too: the engine must get the request
                     # back, with its blocks in take_failed(), rather than wait forever.
                     inf.released = True
+                    inf.gate.mark_released()
                     inf.record.released_at = time.perf_counter()
                     inf.record.released_before_complete = not inf.settled
                     released.append(inf.request_id)

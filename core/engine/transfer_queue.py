@@ -48,6 +48,10 @@ POLICY_EARLIEST_RELEASED = "earliest_released"
 POLICY_ROUND_ROBIN = "round_robin"
 POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
 
+RELEASE_HANDOVER_S = 0.001
+"""How long the enqueue thread, once a load's first slice has landed, waits for the engine to take the release
+before it enqueues more slices (see :meth:`TransferQueue._hand_over_releases`)."""
+
 
 class TransferAborted(RuntimeError):
     """A worker-placement copy stopped between slices because its load had already failed."""
@@ -71,6 +75,7 @@ class QueuedLoad:
     slices: list[tuple[int, int]] = field(default_factory=list)
     next_slice: int = 0
     last_completion: Any = None
+    first_completion: Any = None
     executor: Any = None
     job: planner.TransferJob | None = None
     copier: LocalCopier | None = None
@@ -170,12 +175,15 @@ class TransferQueue:
                 except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
                     self._stop(load, exc)
                     self._enqueued.put(load)
-            if len(ready) > 1 and self.policy == POLICY_ROUND_ROBIN:
-                log.debug("round-robin over %d loads", len(ready))
+            awaiting_release: list[QueuedLoad] = []
             for load in slice_order(ready, self.policy):
+                if awaiting_release:
+                    self._hand_over_releases(awaiting_release)
                 self._enqueue_next_slice(load)
                 if load.error is not None or load.next_slice >= len(load.slices):
                     self._enqueued.put(load)
+                elif load.next_slice == 1 and load.first_completion is not None and not load.gate.released:
+                    awaiting_release.append(load)
             for load in ready:  # loads with no slice at all (nothing to copy)
                 if not load.slices:
                     self._enqueued.put(load)
@@ -198,19 +206,32 @@ class TransferQueue:
                 raise TransferAborted(load.gate.failure)
             planner.enqueue_slice(load.executor, load.job, load.layers_per_stage, load.next_slice, load.request_id)
             completion = load.copier.mark_slice(load.executor)
-            first = load.next_slice == 0
-            if first:
+            if load.next_slice == 0:
                 load.record.first_slice_at = time.perf_counter()
+                load.first_completion = completion
             load.next_slice += 1
             load.last_completion = completion
             load.gate.record_slice(start, count, completion)
             planner.slice_published(load.request_id, load.next_slice - 1)
-            if first:
-                # let the engine thread see the release now: enqueuing more slices would otherwise hold the GIL
-                # for up to a switch interval (5 ms) while the engine waits to poll
-                time.sleep(0)
         except BaseException as exc:  # noqa: BLE001
             self._stop(load, exc)
+
+    def _hand_over_releases(self, awaiting: list[QueuedLoad]) -> None:
+        """Before enqueuing another slice: let the engine see each load whose first slice has landed.
+
+        The engine learns of a release by polling on its own thread, which needs the GIL. This thread holds
+        the GIL while it enqueues slices, and CPython hands it to a waiting thread only after its switch
+        interval (5 ms): the engine would see the release only once every slice was enqueued. So once a
+        load's first slice has landed, this thread waits (without the GIL) until the engine took the
+        release, for at most :data:`RELEASE_HANDOVER_S`; the slices enqueued meanwhile keep the copy engine
+        busy. An engine that does not poll then costs the queue that bound once per load.
+        """
+        for load in list(awaiting):
+            if load.gate.released or load.error is not None:
+                awaiting.remove(load)
+            elif load.copier.landed(load.first_completion):
+                load.gate.wait_released(RELEASE_HANDOVER_S)
+                awaiting.remove(load)
 
     def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
         """No further slice of ``load``; the gate fails now, the future once its copies have run."""
