@@ -13,7 +13,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
 * Arms: ``resident`` (the KV is already in the cache: compute alone), chunk-major (width 0) and layer-major
   widths, each in both placements: ``server`` (the server process writes the cache over CUDA IPC) and
   ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
-  one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy).
+  one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
+  with ``-norings`` (``server-norings``, ``worker-norings``) is the same without the shared-memory rings and the
+  GPU mailbox (their A/B on first-token time).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -46,6 +48,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
+NO_RINGS = "-norings"
+"""A placement ending in this (``server-norings``, ``worker-norings``) runs with ``CacheClient(rings="none")``: no
+shared-memory request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,8 @@ class FormatRig:
     workers: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, ProbingBackend] = field(default_factory=dict)
     staging: list[Any] = field(default_factory=list)
+    clients: list[Any] = field(default_factory=list)
+    """Connections of the arms without shared-memory rings (the others share the run's client)."""
     register_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -189,6 +196,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
               chunk: int, instance_base: int):
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.core.engine.registration_area import RegistrationArea
+    from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -201,15 +209,22 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
         backend = ProbingBackend(CudaEventBackend("cuda:0"))
-        if placement == "server":
-            worker = LayerwiseWorker(client, instance_base + n, cache.layout, event_backend=backend)
+        rings = not placement.endswith(NO_RINGS)
+        arm_client = client
+        if not rings:  # the A/B of the shared-memory rings and the GPU mailbox: ZMQ alone, on its own connection
+            arm_client = CacheClient(client.address, timeout=120.0, rings="none")
+            rig.clients.append(arm_client)
+        if placement.removesuffix(NO_RINGS) == "server":
+            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
+                                     shm_rings=rings)
         else:
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
             policy = "round_robin" if placement == "worker-rr" else "earliest_released"
-            worker = LayerwiseWorker(client, instance_base + n, cache.layout, placement="worker",
+            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="worker",
                                      event_backend=backend, local_regions=cache.region_tensors(),
-                                     registration_layout=staging.layout, transfer_queue_policy=policy)
+                                     registration_layout=staging.layout, transfer_queue_policy=policy,
+                                     shm_rings=rings)
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
@@ -222,6 +237,8 @@ def close_rig(rig: FormatRig) -> None:
         w.close()
     for st in rig.staging:
         st.close()
+    for c in rig.clients:
+        c.close()
 
 
 _run_ids = iter(range(1 << 30))
@@ -469,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                             for name, rs in runs.items()}
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
-                                                for pl in placements if pl != "worker-rr"}
+                                                for pl in placements if pl in ("server", "worker")}
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}
