@@ -317,7 +317,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 from kvstrata.core.engine.registration_area import RegistrationArea
 
                 area = RegistrationArea(cache.layout, chunk_size=chunk)
-                worker = LayerwiseWorker(client, 1, cache.layout, placement="worker", event_backend=backend,
+                # a connection of its own: the storer's shared-memory rings (server placement) must not carry
+                # the engine-executed worker's requests, which by default travel over ZMQ alone
+                worker_client = CacheClient(srv.address, timeout=120.0, rings=rings)
+                worker = LayerwiseWorker(worker_client, 1, cache.layout, placement="worker", event_backend=backend,
                                          local_regions=cache.region_tensors(), registration_layout=area.layout,
                                          pool_writable=True)
                 t = time.perf_counter()
@@ -387,6 +390,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
                         **({"located_ms": (rec.located_at - rec.submitted_at) * 1e3,
+                            "planned_ms": (rec.planned_at - rec.submitted_at) * 1e3,
                             "first_slice_enqueued_ms": (rec.first_slice_at - rec.submitted_at) * 1e3}
                            if rec.located_at is not None else {}),
                     })
@@ -396,7 +400,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 rows = runs[width]
                 res[str(width)] = {k: stats([r[k] for r in rows]) for k in
                                    ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                    "gpu_complete_ms", "located_ms", "first_slice_enqueued_ms") if k in rows[0]}
+                                    "gpu_complete_ms", "located_ms", "planned_ms", "first_slice_enqueued_ms")
+                                   if k in rows[0]}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
                 if width != 0:  # paired with the chunk-major retrieve of the same round
                     res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
@@ -409,6 +414,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
         finally:
             if worker is not storer:
                 worker.close()
+                worker.client.close()
             storer.close()
             if area is not None:
                 area.close()
@@ -603,7 +609,8 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                 ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)
                 print(f"  {w:>5}  {r['release_ms']['median']:10.3f}  {r['complete_ms']['median']:11.3f}  "
                       f"{ov:11.3f}  {r['gpu_first_layer_ms']['median']:12.3f}  {r['gpu_complete_ms']['median']:15.3f}"
-                      + (f"  located {r['located_ms']['median']:.3f} first enqueued "
+                      + (f"  located {r['located_ms']['median']:.3f} planned {r['planned_ms']['median']:.3f}"
+                         f" first enqueued "
                          f"{r['first_slice_enqueued_ms']['median']:.3f}" if "located_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
