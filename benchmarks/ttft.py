@@ -15,7 +15,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
   one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
   with ``-norings`` (``server-norings``, ``worker-norings``) is the same without the shared-memory rings and the
-  GPU mailbox (their A/B on first-token time).
+  GPU mailbox (their A/B on first-token time; worker placement attaches none by default since that A/B).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -188,7 +188,8 @@ class FormatRig:
     backends: dict[str, ProbingBackend] = field(default_factory=dict)
     staging: list[Any] = field(default_factory=list)
     clients: list[Any] = field(default_factory=list)
-    """Connections of the arms without shared-memory rings (the others share the run's client)."""
+    """Connections of the engine-executed arms and of those without shared-memory rings (the server placement's
+    default arm uses the run's client, which stores the prompts)."""
     register_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -209,12 +210,13 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
         backend = ProbingBackend(CudaEventBackend("cuda:0"))
-        rings = not placement.endswith(NO_RINGS)
+        rings = None if not placement.endswith(NO_RINGS) else False  # None: the placement's default
+        server = placement.removesuffix(NO_RINGS) == "server"
         arm_client = client
-        if not rings:  # the A/B of the shared-memory rings and the GPU mailbox: ZMQ alone, on its own connection
-            arm_client = CacheClient(client.address, timeout=120.0, rings="none")
+        if not server or rings is False:  # a connection of its own, so no other arm's rings carry its requests
+            arm_client = CacheClient(client.address, timeout=120.0, rings="all" if rings is None else "none")
             rig.clients.append(arm_client)
-        if placement.removesuffix(NO_RINGS) == "server":
+        if server:
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      shm_rings=rings)
         else:
