@@ -15,7 +15,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
   one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
   with ``-norings`` (``server-norings``, ``worker-norings``) is the same without the shared-memory rings and the
-  GPU mailbox (their A/B on first-token time; worker placement attaches none by default since that A/B).
+  GPU mailbox (their A/B on first-token time).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
