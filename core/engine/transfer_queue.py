@@ -48,12 +48,9 @@ POLICY_EARLIEST_RELEASED = "earliest_released"
 POLICY_ROUND_ROBIN = "round_robin"
 POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
 
-HANDOVER_LOOKAHEAD_BYTES = 512 << 20
-"""Bytes the enqueue thread queues behind a load's first slice before it waits for the engine to take the
-release: about 10 ms of copies at PCIe 5 speed, twice CPython's 5 ms switch interval, so the copy engine stays
-busy through the wait and through an engine thread that then holds the GIL until it is forced to switch."""
-HANDOVER_WAIT_S = 0.002
-"""The longest that wait (see :meth:`TransferQueue._hand_over_releases`)."""
+RELEASE_HANDOVER_S = 0.001
+"""How long the enqueue thread, once a load's first slice has landed, waits for the engine to take the release
+before it enqueues more slices (see :meth:`TransferQueue._hand_over_releases`)."""
 
 
 class TransferAborted(RuntimeError):
@@ -178,18 +175,15 @@ class TransferQueue:
                 except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
                     self._stop(load, exc)
                     self._enqueued.put(load)
-            awaiting_release: list[list[Any]] = []  # [load, bytes queued behind its first slice]
+            awaiting_release: list[QueuedLoad] = []
             for load in slice_order(ready, self.policy):
                 if awaiting_release:
                     self._hand_over_releases(awaiting_release)
                 self._enqueue_next_slice(load)
-                if load.error is None:
-                    for entry in awaiting_release:
-                        entry[1] += self._slice_bytes(load, load.next_slice - 1)
                 if load.error is not None or load.next_slice >= len(load.slices):
                     self._enqueued.put(load)
                 elif load.next_slice == 1 and load.first_completion is not None and not load.gate.released:
-                    awaiting_release.append([load, 0])
+                    awaiting_release.append(load)
             for load in ready:  # loads with no slice at all (nothing to copy)
                 if not load.slices:
                     self._enqueued.put(load)
@@ -205,10 +199,6 @@ class TransferQueue:
         load.executor = load.copier.executor(spans)
         load.slices = planner.layer_slices(self.layout.num_layers, load.layers_per_stage)
         load.record.planned_at = time.perf_counter()
-
-    def _slice_bytes(self, load: QueuedLoad, index: int) -> int:
-        lay = self.layout
-        return load.slices[index][1] * lay.kv_size * load.retrieved_tokens * lay.token_bytes_per_layer
 
     def _enqueue_next_slice(self, load: QueuedLoad) -> None:
         start, count = load.slices[load.next_slice]
@@ -227,25 +217,26 @@ class TransferQueue:
         except BaseException as exc:  # noqa: BLE001
             self._stop(load, exc)
 
-    def _hand_over_releases(self, awaiting: list[list[Any]]) -> None:
-        """Before enqueuing another slice: let the engine see the release of loads whose first slice is in.
+    def _hand_over_releases(self, awaiting: list[QueuedLoad]) -> None:
+        """Before enqueuing another slice: let the engine see each load whose first slice has landed.
 
         The engine learns of a release by polling on its own thread, which needs the GIL. This thread holds
         the GIL while it enqueues slices, and CPython hands it to a waiting thread only after its switch
-        interval (5 ms): the engine would see a landed first slice only once every slice was enqueued. So
-        once :data:`HANDOVER_LOOKAHEAD_BYTES` are queued behind a load's first slice (or that slice has
-        landed), this thread waits without the GIL until the engine took the release, for at most
-        :data:`HANDOVER_WAIT_S`: the engine's thread runs meanwhile and polls while the slice is still
-        copying, and the queued bytes keep the copy engine busy. An engine that does not poll costs the
-        queue that bound once per load, never a copy.
+        interval (5 ms): the engine would see the release only once every slice was enqueued. So once a
+        load's first slice has landed, this thread waits (without the GIL) until the engine took the
+        release, for at most :data:`RELEASE_HANDOVER_S`; the slices enqueued meanwhile keep the copy engine
+        busy. An engine that does not poll then costs the queue that bound once per load.
+
+        Waiting from an earlier point (once 128 or 512 MiB were queued behind the first slice) made layer 0
+        usable sooner on an idle GPU but first-token time worse with the engine computing (H200 runs 2-4 of
+        2026-12-02), so the wait starts at the landing.
         """
-        for entry in list(awaiting):
-            load, queued_behind = entry
+        for load in list(awaiting):
             if load.gate.released or load.error is not None:
-                awaiting.remove(entry)
-            elif queued_behind >= HANDOVER_LOOKAHEAD_BYTES or load.copier.landed(load.first_completion):
-                load.gate.wait_released(HANDOVER_WAIT_S)
-                awaiting.remove(entry)
+                awaiting.remove(load)
+            elif load.copier.landed(load.first_completion):
+                load.gate.wait_released(RELEASE_HANDOVER_S)
+                awaiting.remove(load)
 
     def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
         """No further slice of ``load``; the gate fails now, the future once its copies have run."""
