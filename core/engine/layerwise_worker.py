@@ -62,6 +62,8 @@ class RetrieveRecord:
     fallback: str | None = None
     located_at: float | None = None
     """Worker placement: when the RETRIEVE's reply (where the chunks are) reached the transfer thread."""
+    planned_at: float | None = None
+    """Worker placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
     """Worker placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
 
@@ -92,7 +94,7 @@ class LayerwiseWorker:
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 shm_rings: bool = True, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
+                 shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
                  pool_writable: bool = False) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
@@ -131,9 +133,13 @@ class LayerwiseWorker:
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into
         objects the server reserved (:meth:`store_to_pool`); otherwise it is mapped read-only."""
-        self.shm_rings = shm_rings
+        self.shm_rings = placement == PLACEMENT_SERVER if shm_rings is None else shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
-        sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake)."""
+        sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake). By
+        default only in server placement. With the engine computing (``benchmarks/ttft.py``'s ``-norings``
+        arms on an H200, ``benchmarks/results/h200-2026-12-02-session7``), engine-executed loads were no
+        faster with them at one request and about 5% slower at four, in two runs; on an idle GPU they made
+        the engine-executed RETRIEVE's round trip 0.3 ms shorter, which first-token time did not show."""
 
     # --- public properties the design asks adapters to use ---------------------------
 
