@@ -100,6 +100,26 @@ def test_rejects_slices_outside_the_layer_range():
         LayerArrivalGate(4, release_after_layers=0)
 
 
+def test_the_transfer_side_waits_for_the_engine_to_take_the_release():
+    """What the worker placement's queue waits on (bounded) before it enqueues more slices: set only by the
+    engine side's mark_released, seen by the waiting thread."""
+    g = LayerArrivalGate(4)
+    assert not g.released and not g.wait_released(0.01)  # nobody took it: the bounded wait says so
+    seen = []
+    waiting = threading.Event()
+
+    def transfer_side():
+        waiting.set()
+        seen.append(g.wait_released(60))  # generous: only catches a hang
+
+    t = threading.Thread(target=transfer_side)
+    t.start()
+    assert waiting.wait(60)
+    g.mark_released()
+    t.join(60)
+    assert seen == [True] and g.released
+
+
 def test_release_waits_until_the_first_slices_bytes_have_landed():
     """On a GPU a slice is recorded when its copy is enqueued; the request goes back only once it ran."""
     landed = {"s0": False, "s1": False}

@@ -220,6 +220,40 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
     assert ring.segment.name not in os.listdir("/dev/shm"), "the client left its ring behind"
 
 
+def test_an_engine_executed_worker_attaches_no_rings_unless_asked(server):
+    """Worker placement leaves the rings off by default (they did not shorten first-token time there);
+    ``shm_rings=True`` still attaches them, and server placement attaches them by default."""
+    from kvstrata.core.engine.registration_area import RegistrationArea
+    from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+
+    engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
+    area = RegistrationArea(engine.layout, chunk_size=64)
+    clients, workers = [], []
+    try:
+        for instance, rings in ((42, None), (43, True)):
+            client = CacheClient(server.address, timeout=20.0)
+            clients.append(client)
+            worker = LayerwiseWorker(client, instance, engine.layout, placement=PLACEMENT_WORKER,
+                                     local_regions=engine.regions, registration_layout=area.layout, shm_rings=rings)
+            workers.append(worker)
+            worker.register()
+        assert clients[0].transport.reply_ring is None
+        assert clients[1].transport.reply_ring is not None
+        client = CacheClient(server.address, timeout=20.0)
+        clients.append(client)
+        worker = LayerwiseWorker(client, 44, engine.layout)
+        workers.append(worker)
+        worker.register()
+        assert client.transport.reply_ring is not None
+    finally:
+        for w in workers:
+            w.close()
+        for c in clients:
+            c.close()
+        area.close()
+        engine.close()
+
+
 # --- the request ring: the server serves a request from shared memory, once and in order ----------------
 
 
