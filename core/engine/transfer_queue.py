@@ -226,10 +226,6 @@ class TransferQueue:
         load's first slice has landed, this thread waits (without the GIL) until the engine took the
         release, for at most :data:`RELEASE_HANDOVER_S`; the slices enqueued meanwhile keep the copy engine
         busy. An engine that does not poll then costs the queue that bound once per load.
-
-        Waiting from an earlier point (once 128 MiB were queued behind the first slice) made layer 0 usable
-        sooner on an idle GPU, but with 512 MiB the engine-executed first-token fractions came out lower (see
-        ``benchmarks/results/h200-2026-12-02-session7``), so the wait starts at the landing.
         """
         for load in list(awaiting):
             if load.gate.released or load.error is not None:
