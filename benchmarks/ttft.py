@@ -14,8 +14,8 @@ context are time-sliced against that compute. This benchmark runs the compute.
   widths, each in both placements: ``server`` (the server process writes the cache over CUDA IPC) and
   ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
   one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
-  with ``-norings`` (``server-norings``, ``worker-norings``) is the same without the shared-memory rings and the
-  GPU mailbox (their A/B on first-token time).
+  with ``-norings`` (``server-norings``) is the same without the shared-memory rings and the GPU mailbox, one
+  named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -48,9 +48,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
-NO_RINGS = "-norings"
-"""A placement ending in this (``server-norings``, ``worker-norings``) runs with ``CacheClient(rings="none")``: no
-shared-memory request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone."""
+RING_SUFFIXES = {"-norings": False, "-rings": True}
+"""A placement ending in ``-norings`` (``server-norings``) runs with ``CacheClient(rings="none")``: no shared-memory
+request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. One ending in ``-rings``
+(``worker-rings``) attaches them where the placement would not (worker placement attaches none by default)."""
+
+
+def ring_setting(placement: str) -> tuple[str, bool | None]:
+    """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
+    for suffix, rings in RING_SUFFIXES.items():
+        if placement.endswith(suffix):
+            return placement.removesuffix(suffix), rings
+    return placement, None
 
 
 @dataclass(frozen=True)
@@ -210,11 +219,11 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
         backend = ProbingBackend(CudaEventBackend("cuda:0"))
-        rings = None if not placement.endswith(NO_RINGS) else False  # None: the placement's default
-        server = placement.removesuffix(NO_RINGS) == "server"
+        base, rings = ring_setting(placement)
+        server = base == "server"
         arm_client = client
-        if not server or rings is False:  # a connection of its own, so no other arm's rings carry its requests
-            arm_client = CacheClient(client.address, timeout=120.0, rings="all" if rings is None else "none")
+        if not server or rings is not None:  # a connection of its own, so no other arm's rings carry its requests
+            arm_client = CacheClient(client.address, timeout=120.0, rings="none" if rings is False else "all")
             rig.clients.append(arm_client)
         if server:
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
@@ -222,7 +231,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         else:
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
-            policy = "round_robin" if placement == "worker-rr" else "earliest_released"
+            policy = "round_robin" if base == "worker-rr" else "earliest_released"
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="worker",
                                      event_backend=backend, local_regions=cache.region_tensors(),
                                      registration_layout=staging.layout, transfer_queue_policy=policy,
