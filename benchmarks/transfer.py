@@ -389,7 +389,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
-                        **({"located_ms": (rec.located_at - rec.submitted_at) * 1e3,
+                        **({"replied_ms": (rec.replied_at - rec.submitted_at) * 1e3,
+                            "located_ms": (rec.located_at - rec.submitted_at) * 1e3,
                             "planned_ms": (rec.planned_at - rec.submitted_at) * 1e3,
                             "first_slice_enqueued_ms": (rec.first_slice_at - rec.submitted_at) * 1e3}
                            if rec.located_at is not None else {}),
@@ -400,7 +401,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 rows = runs[width]
                 res[str(width)] = {k: stats([r[k] for r in rows]) for k in
                                    ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                    "gpu_complete_ms", "located_ms", "planned_ms", "first_slice_enqueued_ms")
+                                    "gpu_complete_ms", "replied_ms", "located_ms", "planned_ms",
+                                    "first_slice_enqueued_ms")
                                    if k in rows[0]}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
                 if width != 0:  # paired with the chunk-major retrieve of the same round
@@ -609,7 +611,8 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                 ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)
                 print(f"  {w:>5}  {r['release_ms']['median']:10.3f}  {r['complete_ms']['median']:11.3f}  "
                       f"{ov:11.3f}  {r['gpu_first_layer_ms']['median']:12.3f}  {r['gpu_complete_ms']['median']:15.3f}"
-                      + (f"  located {r['located_ms']['median']:.3f} planned {r['planned_ms']['median']:.3f}"
+                      + (f"  replied {r['replied_ms']['median']:.3f} located {r['located_ms']['median']:.3f}"
+                         f" planned {r['planned_ms']['median']:.3f}"
                          f" first enqueued "
                          f"{r['first_slice_enqueued_ms']['median']:.3f}" if "located_ms" in r else ""))
     for name, t in result.get("targets", {}).items():

@@ -48,6 +48,9 @@ def test_a_committed_store_is_found_and_loads_byte_exact(client, worker):
     w.submit_retrieve("l1", key, [dst], layers_per_stage=4)
     engine_loop(w, "l1", SMALL_32.num_layers)
     assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+    rec = w.records["l1"]  # the load's way to its first slice, for benchmarks/transfer.py
+    assert rec.submitted_at <= rec.replied_at and rec.submitted_at <= rec.located_at <= rec.planned_at \
+        <= rec.first_slice_at
 
 
 def test_reserved_objects_are_invisible_until_committed_and_a_dropped_reservation_stores_nothing(client, worker):

@@ -60,6 +60,8 @@ class RetrieveRecord:
     layer_waits: int = 0
     failure: str | None = None
     fallback: str | None = None
+    replied_at: float | None = None
+    """Worker placement: when the RETRIEVE's reply was resolved, by whichever thread read it."""
     located_at: float | None = None
     """Worker placement: when the RETRIEVE's reply (where the chunks are) reached the transfer thread."""
     planned_at: float | None = None
@@ -191,6 +193,7 @@ class LayerwiseWorker:
             except Exception as exc:  # reported through the load, like any other failure
                 reply = Future()
                 reply.set_exception(exc)
+            reply.add_done_callback(lambda _, r=record: setattr(r, "replied_at", time.perf_counter()))
             fut = self._queue.submit(QueuedLoad(key, blocks, skip_first_n_tokens, width, gate, record, reply))
             inflight = _InFlight(request_id, blocks, fut, gate, None, width, record)
         else:
