@@ -888,9 +888,6 @@ class CudaLocalCopier:
             event.record(self.engine.stream)
         return event
 
-    def landed(self, completion: torch.cuda.Event | None) -> bool:
-        return completion is None or completion.query()
-
     def finish(self, last_completion: torch.cuda.Event | None) -> None:
         if last_completion is not None:
             last_completion.synchronize()  # releases the GIL while it waits

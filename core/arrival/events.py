@@ -32,9 +32,6 @@ class LocalCopier(Protocol):
     def mark_slice(self, executor: "Executor") -> Any:
         """Right after a slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
 
-    def landed(self, completion: Any) -> bool:
-        """Whether the slice ``completion`` marks has run (never blocks; None: it has)."""
-
     def finish(self, last_completion: Any) -> None:
         """Block the calling (transfer) thread until the slice ``last_completion`` marks has run, and with it
         every slice enqueued before it (then the locks may go). None: nothing is pending."""
@@ -117,9 +114,6 @@ class HostCopier:
 
     def mark_slice(self, executor: "Executor") -> Any:
         return None
-
-    def landed(self, completion: Any) -> bool:
-        return True
 
     def finish(self, last_completion: Any) -> None:
         return None

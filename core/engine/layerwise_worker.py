@@ -79,7 +79,6 @@ class _InFlight:
     slot: ArrivalSlot | None
     width: int
     record: RetrieveRecord
-    released: bool = False
     failed: bool = False
     settled: bool = False
     engine_done: bool = False
@@ -88,6 +87,11 @@ class _InFlight:
     """Failed while this process's own copy was still running: reported once it has stopped."""
     refresh: Callable[[], None] | None = None
     _board_seen: int = field(default=0)
+
+    @property
+    def released(self) -> bool:
+        """Handed back to the engine (the gate holds it: the transfer queue waits on it too)."""
+        return self.gate.released
 
 
 class LayerwiseWorker:
@@ -130,7 +134,8 @@ class LayerwiseWorker:
         self._pool_lock = threading.Lock()
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
-                                    chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout) \
+                                    chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
+                                    landed=self._event_backend.landed) \
             if placement == PLACEMENT_WORKER else None
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into
@@ -209,7 +214,6 @@ class LayerwiseWorker:
             if slot is not None:
                 inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
         if running:
-            inflight.released = True
             gate.mark_released()
             record.released_at, record.released_before_complete = record.submitted_at, True
         with self._lock:
@@ -314,7 +318,6 @@ class LayerwiseWorker:
                 if not inf.released and (ready or inf.settled):
                     # A failed retrieve is released too: the engine must get the request
                     # back, with its blocks in take_failed(), rather than wait forever.
-                    inf.released = True
                     inf.gate.mark_released()
                     inf.record.released_at = time.perf_counter()
                     inf.record.released_before_complete = not inf.settled

@@ -114,9 +114,10 @@ class TransferQueue:
 
     def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
-                 retrieve_timeout: float) -> None:
+                 retrieve_timeout: float, landed: Callable[[Any], bool]) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
-        server restarted with a new pool)."""
+        server restarted with a new pool). ``landed(completion)``: whether a slice's copy has run
+        (``EventBackend.landed``)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
         self.client = client
@@ -125,6 +126,7 @@ class TransferQueue:
         self._copier_for = copier_for
         self._chunk_size = chunk_size
         self.retrieve_timeout = retrieve_timeout
+        self._landed = landed
         self._pending: "queue.Queue[QueuedLoad | None]" = queue.Queue()
         self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
         self._enqueue_thread = threading.Thread(target=self._enqueue_loop, name="kvstrata-transfer-enqueue",
@@ -230,7 +232,7 @@ class TransferQueue:
         for load in list(awaiting):
             if load.gate.released or load.error is not None:
                 awaiting.remove(load)
-            elif load.copier.landed(load.first_completion):
+            elif self._landed(load.first_completion):
                 load.gate.wait_released(RELEASE_HANDOVER_S)
                 awaiting.remove(load)
 
