@@ -228,23 +228,19 @@ def test_an_engine_executed_worker_attaches_no_rings_unless_asked(server):
 
     engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=64)
+    worker_placement = {"placement": PLACEMENT_WORKER, "local_regions": engine.regions,
+                        "registration_layout": area.layout}
     clients, workers = [], []
     try:
-        for instance, rings in ((42, None), (43, True)):
+        for instance, options, attached in ((42, worker_placement, False),
+                                            (43, {**worker_placement, "shm_rings": True}, True),
+                                            (44, {}, True)):  # server placement
             client = CacheClient(server.address, timeout=20.0)
             clients.append(client)
-            worker = LayerwiseWorker(client, instance, engine.layout, placement=PLACEMENT_WORKER,
-                                     local_regions=engine.regions, registration_layout=area.layout, shm_rings=rings)
+            worker = LayerwiseWorker(client, instance, engine.layout, **options)
             workers.append(worker)
             worker.register()
-        assert clients[0].transport.reply_ring is None
-        assert clients[1].transport.reply_ring is not None
-        client = CacheClient(server.address, timeout=20.0)
-        clients.append(client)
-        worker = LayerwiseWorker(client, 44, engine.layout)
-        workers.append(worker)
-        worker.register()
-        assert client.transport.reply_ring is not None
+            assert (client.transport.reply_ring is not None) == attached, instance
     finally:
         for w in workers:
             w.close()
