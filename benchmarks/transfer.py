@@ -282,11 +282,14 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None, rings: str = "all",
-                   placement: str = "server") -> dict[str, Any]:
+                   placement: str = "server", locate: str = "lookup") -> dict[str, Any]:
     """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
     ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
     over CUDA IPC) or ``worker`` (engine-executed: this process maps the pool read-only and copies with its own
-    streams; the prompt is stored through a second, server-placement instance)."""
+    streams; the prompt is stored through a second, server-placement instance). ``locate`` (worker placement):
+    ``lookup`` starts each load from where its LOOKUP found the chunks, as the engine runtime does;
+    ``retrieve`` asks RETRIEVE first (the A/B)."""
+    from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
@@ -301,6 +304,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     cache.write(truth, src)
     torch.cuda.synchronize()
     out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "rings": rings}
+    if placement == "worker":
+        out["locate"] = locate
     with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
                        extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
         backend = CudaEventBackend("cuda:0")
@@ -356,14 +361,16 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 for width in order:
                     rid = f"r{rnd}-w{width}"
                     key = CacheKey.for_tokens(rid, retrieve_prompt, model="llama")
-                    assert client.lookup(key) == tokens
+                    looked_up = client.transport.wait(client.lookup_async(key))  # before the clock, as an engine
+                    assert looked_up["hit_tokens"] == tokens
+                    located = ChunkLocations.from_lookup_reply(looked_up) if locate == "lookup" else None
                     if rnd == 0:
                         cache.poison(dst)
                     torch.cuda.synchronize()
                     done: list[float] = []
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     ev[0].record(stream)
-                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width, located=located)
                     fut = worker.future_of(rid)
                     fut.add_done_callback(lambda f: done.append(time.perf_counter()))
                     _spin_until_released(worker, rid)
@@ -379,6 +386,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     rec = worker.records.pop(rid)
                     if rec.failure or rec.fallback:
                         raise RuntimeError(f"retrieve {rid} failed or fell back: {rec}")
+                    if placement == "worker" and rec.located_by != locate:
+                        raise RuntimeError(f"retrieve {rid} was located by {rec.located_by}, not {locate}")
                     if rnd == 0:
                         verified[width] = bool(cache.read(dst, 0, tokens).equal(truth))
                         continue
@@ -487,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="staged,kernel", help="copy modes, the first is primary (targets)")
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: raw,inprocess,server")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (both engine-executed "
+                        "phases), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
@@ -534,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
                     m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, r)))
     phases.append(("engine_executed", lambda: measure_server(modes[0], args.tokens, args.chunk, args.block_size,
                                                                args.reps, widths, placement="worker")))
+    if "locate_ab" not in skip:  # the same engine-executed loads, each asking RETRIEVE where its chunks are
+        phases.append(("engine_executed_retrieve", lambda: measure_server(
+            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
+            locate="retrieve")))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue

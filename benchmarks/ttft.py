@@ -15,7 +15,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
   ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
   one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
   with ``-norings`` (``server-norings``) is the same without the shared-memory rings and the GPU mailbox, one
-  named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time).
+  named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time). An
+  engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
+  named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -54,12 +56,22 @@ request and reply rings, no GPU mailbox; requests and replies travel over ZMQ al
 (``worker-rings``) attaches them where the placement would not (worker placement attaches none by default)."""
 
 
+LOCATE_SUFFIX = "-retrieve"
+"""A worker placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
+the LOOKUP's reply."""
+
+
 def ring_setting(placement: str) -> tuple[str, bool | None]:
     """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
     for suffix, rings in RING_SUFFIXES.items():
         if placement.endswith(suffix):
             return placement.removesuffix(suffix), rings
     return placement, None
+
+
+def locates_by_lookup(placement: str) -> bool:
+    """Whether an engine-executed arm starts its loads from the LOOKUP's locations (see :data:`LOCATE_SUFFIX`)."""
+    return not placement.startswith("server") and not placement.endswith(LOCATE_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -219,7 +231,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
         backend = ProbingBackend(CudaEventBackend("cuda:0"))
-        base, rings = ring_setting(placement)
+        base, rings = ring_setting(placement.removesuffix(LOCATE_SUFFIX))
         server = base == "server"
         arm_client = client
         if not server or rings is not None:  # a connection of its own, so no other arm's rings carry its requests
@@ -258,6 +270,7 @@ _run_ids = iter(range(1 << 30))
 def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
             timeline: bool = False) -> dict[str, Any]:
     """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer)."""
+    from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.store.keys import CacheKey
 
     s = model.s
@@ -266,11 +279,15 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     tag = next(_run_ids)
     rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}" for r in reqs]
     keys = [CacheKey.for_tokens(rid, r.prompt, model="llama") for rid, r in zip(rids, reqs)]
+    located: list[Any] = [None] * conc
     if width is not None:
-        for key in keys:  # the scheduler's LOOKUP, answered before the step (locks the chunks)
-            hit = client.lookup(key)
-            if hit != key.num_tokens:
-                raise RuntimeError(f"LOOKUP for {key.request_id} hit {hit} of {key.num_tokens} tokens")
+        for i, key in enumerate(keys):  # the scheduler's LOOKUP, answered before the step (locks the chunks)
+            reply = client.transport.wait(client.lookup_async(key))
+            if reply["hit_tokens"] != key.num_tokens:
+                raise RuntimeError(f"LOOKUP for {key.request_id} hit {reply['hit_tokens']} of {key.num_tokens} "
+                                   "tokens")
+            if locates_by_lookup(placement):
+                located[i] = ChunkLocations.from_lookup_reply(reply)
     xs = [torch.randn(new, s.hidden, device="cuda", dtype=torch.bfloat16) for _ in reqs]
     stream = torch.cuda.current_stream()
     backend = rig.backends.get(placement)
@@ -289,7 +306,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     def submit_next() -> None:
         nonlocal submitted
         i = submitted
-        worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_stage=width)
+        worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_stage=width, located=located[i])
         submitted += 1
 
     released: list[int] = []
@@ -348,6 +365,9 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         bad = [r for r in recs if r.failure or r.fallback]
         if bad:
             raise RuntimeError(f"a load failed or fell back: {bad[0]}")
+        wanted = None if placement.startswith("server") else "lookup" if locates_by_lookup(placement) else "retrieve"
+        if any(r.located_by != wanted for r in recs):
+            raise RuntimeError(f"arm {placement}: loads located by {[r.located_by for r in recs]}, not {wanted}")
         out["release_ms"] = [(r.released_at - t0) * 1e3 for r in recs]
         out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
     torch.cuda.synchronize()

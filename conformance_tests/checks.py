@@ -17,17 +17,29 @@ BLOCKED_FOR = 0.4
 
 
 def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, replied: bool = True) -> list:
-    """The one RETRIEVE ``r`` put on the wire, checked item by item; returns its payload.
+    """The one RETRIEVE ``r`` put on the wire, checked item by item; returns its payload (``None`` for a
+    worker-placement load that its LOOKUP located, which sends none).
 
     ``expect_width`` is the width the load must run at (0: chunk-major); ``None`` skips the mode check. In
     server placement the width travels in the RETRIEVE (with the arrival board); in worker placement the
-    engine side copies itself, so the RETRIEVE only locates the chunks (tail ``None, None, 0``) and the width
-    is the one the runtime recorded for the load. ``replied`` also requires that the server accepted it.
+    engine side copies itself: it starts from where the LOOKUP found the chunks, or sends a RETRIEVE that
+    only locates them (tail ``None, None, 0``), and the width is the one the runtime recorded for the load.
+    ``replied`` also requires that the server accepted the RETRIEVE.
     """
     sent = rig.retrieves_on_wire(r)
     bad_frames = rig.proxy.undecodable()
     require(not bad_frames, "retrieve-payload",
             f"the adapter sent frames the protocol cannot decode: {[f.decode_error for f in bad_frames]}")
+    if rig.placement != PLACEMENT_SERVER:
+        started = [e for e in rig.record() if e["event"] == "load_started" and e["request_id"] == r.request_id]
+        by_lookup = bool(started) and started[0].get("located_by") == "lookup"
+        how = "its LOOKUP" if by_lookup else "RETRIEVE"
+        require(len(sent) == (0 if by_lookup else 1), "retrieve-payload",
+                f"the worker-placement load of {r.request_id} was located by {how} and put {len(sent)} RETRIEVE "
+                f"requests on the wire (expected {0 if by_lookup else 1})")
+        if by_lookup:
+            check_recorded_width(rig, r, expect_width)
+            return None
     require(len(sent) == 1, "retrieve-payload",
             f"one load of request {r.request_id} put {len(sent)} RETRIEVE requests on the wire")
     req = sent[0]
@@ -44,13 +56,7 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
         require(tail == [None, None, 0], "retrieve-payload",
                 f"a worker-placement RETRIEVE only locates the chunks and must end with (None, None, 0); it "
                 f"ended with {tail!r}")
-        if expect_width is not None:
-            asked = [e["layers_per_stage"] for e in rig.record()
-                     if e["event"] == "load_started" and e["request_id"] == r.request_id]
-            ran = 0 if rig.fallbacks(r) else (asked[0] if asked else None)
-            require(ran == expect_width, "retrieve-payload",
-                    f"the load of {r.request_id} was to run at width {expect_width}; the engine side's record "
-                    f"shows width {asked} asked{' and a fallback' if rig.fallbacks(r) else ''}")
+        check_recorded_width(rig, r, expect_width)
     elif expect_width == 0:
         require(tail == [None, None, 0], "retrieve-payload",
                 f"a chunk-major RETRIEVE must end with (None, None, 0); it ended with {tail!r}")
@@ -74,6 +80,18 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
     require(req.reply is not None and req.reply.ok, "retrieve-payload",
             f"the server rejected the adapter's RETRIEVE: {req.reply.value if req.reply else 'no reply'}")
     return payload
+
+
+def check_recorded_width(rig: Rig, r: Retrieval, expect_width: int | None) -> None:
+    """Worker placement: the width the engine side's record shows the load ran at is ``expect_width``."""
+    if expect_width is None:
+        return
+    asked = [e["layers_per_stage"] for e in rig.record()
+             if e["event"] == "load_started" and e["request_id"] == r.request_id]
+    ran = 0 if rig.fallbacks(r) else (asked[0] if asked else None)
+    require(ran == expect_width, "retrieve-payload",
+            f"the load of {r.request_id} was to run at width {expect_width}; the engine side's record "
+            f"shows width {asked} asked{' and a fallback' if rig.fallbacks(r) else ''}")
 
 
 def read_every_layer(rig: Rig, r: Retrieval, context: str) -> None:

@@ -19,8 +19,9 @@ RULES: dict[str, str] = {
                  "with the server in the placement it was deployed with",
     "retrieve-payload": "every RETRIEVE on the wire has exactly the declared 8 items with the declared types; "
                         "chunk-major sends (None, None, 0) as the tail, layer-major the arrival board and the "
-                        "deployed width (worker placement: the tail is (None, None, 0) and the runtime records "
-                        "the deployed width)",
+                        "deployed width (worker placement: the load starts from where its LOOKUP found the chunks and "
+                        "sends no RETRIEVE, or its RETRIEVE's tail is (None, None, 0); the runtime records the "
+                        "deployed width)",
     "early-release": "a layer-major request is released after its first slice, before its transfer completes, "
                      "and exactly once",
     "layer-wait": "the engine side's layer wait blocks until the layer has landed, and every layer read after it "

@@ -103,16 +103,17 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     prompt = rig.prompt()
     rig.store(prompt)
     mark = len(warning_log)
-    if rig.placement == PLACEMENT_SERVER:
-        r = rig.submit(prompt, hold_after_slices=0)
-        require(rig.wait_held(r), "retrieve-payload",
-                f"the server never started the transfer of {r.request_id}: it did not accept the adapter's RETRIEVE")
-    else:  # the engine side copies once the RETRIEVE says where the chunks are: the server dies before it does
-        r = rig.submit(prompt, hold_reply=True)
-        require(rig.proxy.wait_for(lambda: bool(rig.retrieves_on_wire(r)), 20), "retrieve-payload",
-                f"the engine side never sent the RETRIEVE of {r.request_id}")
+    # worker placement: the engine side's own copy is held before its first slice, wherever it learnt where
+    # the chunks are (its LOOKUP, or a RETRIEVE)
+    r = rig.submit(prompt, hold_after_slices=0)
+    require(rig.wait_held(r), "retrieve-payload",
+            f"the transfer of {r.request_id} never started: the server did not accept the adapter's RETRIEVE, or "
+            "the engine side never began its copy")
     rig.kill_server()
     what = "the server died before the first slice landed"
+    if rig.placement != PLACEMENT_SERVER:
+        worker_copy_outlives_the_server(rig, r, prompt, what, warning_log, mark)
+        return
     deadline = time.monotonic() + RETRIEVE_TIMEOUT + SLACK
     while r.request_id not in rig.released and time.monotonic() < deadline:
         rig.poll()
@@ -125,6 +126,30 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     wait_bounded(rig, 0, what)
     rig.resume(r)
     rig.settle(SLACK)
+    rig.free(r)
+    rig.restart_server()
+    next_retrieve_works(rig, prompt, "after the server died and was restarted")
+
+
+def worker_copy_outlives_the_server(rig: Rig, r: Retrieval, prompt: list[int], what: str,
+                                    warning_log: list[str], mark: int) -> None:
+    """Worker placement: the engine side copies from its own mapping of the pool, which the server's death
+    does not take away. Once its held copy goes on, the load either lands byte-exact or (its retrieve timeout
+    passed while it was held) is reported for recompute; it never hangs."""
+    rig.resume(r)
+    deadline = time.monotonic() + RETRIEVE_TIMEOUT + SLACK
+    while r.request_id not in rig.released and r.request_id not in rig.failures() and time.monotonic() < deadline:
+        rig.poll()
+        time.sleep(0.01)
+    if r.request_id in rig.failures():
+        wait_reported(rig, r, SLACK, what)
+        require_logged(warning_log, mark, r, what)
+    else:
+        require(r.request_id in rig.released, "failure-reported",
+                f"{what} while the engine side's copy was held; once it went on, the request neither came back "
+                f"nor was reported failed within {RETRIEVE_TIMEOUT + SLACK:.0f}s")
+        read_every_layer(rig, r, f"({what}; the engine side copied from its own mapping of the pool)")
+    rig.settle(RETRIEVE_TIMEOUT + SLACK)
     rig.free(r)
     rig.restart_server()
     next_retrieve_works(rig, prompt, "after the server died and was restarted")

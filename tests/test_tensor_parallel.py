@@ -39,10 +39,10 @@ def ask(scheduler: SchedulerRuntime, rid: str, prompt: list[int]) -> int:
 class Rank:
     """One tensor-parallel rank: its cache (a reference-engine cache whose bytes are this rank's shard)."""
 
-    def __init__(self, rank: int, settings: RuntimeSettings) -> None:
+    def __init__(self, rank: int, settings: RuntimeSettings, model: str) -> None:
         self.rank = rank
         self.cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
-        self.runtime = WorkerRuntime(load_adapter("reference"), settings, model=MODEL, rank=rank, world_size=WORLD)
+        self.runtime = WorkerRuntime(load_adapter("reference"), settings, model=model, rank=rank, world_size=WORLD)
         self.runtime.register(self.cache.kv_caches)
 
     def prefill(self, prompt: list[int], blocks: list[list[int]]) -> None:
@@ -62,12 +62,15 @@ class Rank:
         self.cache.close()
 
 
-@pytest.fixture
-def tp(server: Any, tmp_path: Path):
-    settings = RuntimeSettings(server.address, layers_per_stage=1, instance_id=500, placement="server",
+@pytest.fixture(params=["server", "worker"])
+def tp(server: Any, tmp_path: Path, request: pytest.FixtureRequest):
+    """Worker placement: each rank copies from the pool itself, starting from where its own rank's LOOKUP found
+    its shard's chunks (the scheduler carries every rank's locations in the load's metadata)."""
+    settings = RuntimeSettings(server.address, layers_per_stage=1, instance_id=500, placement=request.param,
                                record_path=str(tmp_path / "record.jsonl"))
-    scheduler = SchedulerRuntime(load_adapter("reference"), settings, model=MODEL, block_size=BS, world_size=WORLD)
-    ranks = [Rank(r, settings) for r in range(WORLD)]
+    model = f"{MODEL}-{request.param}"  # the placements' prompts are stored apart on the module's server
+    scheduler = SchedulerRuntime(load_adapter("reference"), settings, model=model, block_size=BS, world_size=WORLD)
+    ranks = [Rank(r, settings, model) for r in range(WORLD)]
     yield scheduler, ranks, tmp_path / "record.jsonl"
     for r in ranks:
         r.close()
@@ -123,8 +126,10 @@ def test_a_hit_is_what_every_ranks_shard_has_and_each_rank_loads_its_own(tp) -> 
         assert r.runtime.take_load_failures() == []
     scheduler.finished("tp-load")
     events = list(read_record(str(record)))
-    started = sorted(e["rank"] for e in events if e["event"] == "load_started" and e["request_id"] == "tp-load")
-    assert started == [0, 1]
+    started = sorted((e["rank"], e["located_by"]) for e in events
+                     if e["event"] == "load_started" and e["request_id"] == "tp-load")
+    located_by = "lookup" if ranks[0].runtime.placement == "worker" else None
+    assert started == [(0, located_by), (1, located_by)], "worker placement: no rank waits for a RETRIEVE"
     assert {e["instance_id"] for e in events if e["event"] == "registered"} == {500, 501}
 
 

@@ -34,7 +34,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstrata.core.adapter_api.plugins import load_adapter
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec, lock_owner, shard_key
+from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, lock_owner, shard_key
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.transfer.layouts import LayoutError
@@ -91,20 +91,32 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                          page_hashes=(page_hash,), page_size=self.page_size)
 
     def _held(self, owners: Sequence[str], keys: Sequence[str]) -> list[bool]:
-        """Which pages the server holds (page i locked for ``owners[i]`` until its END_SESSION or RETRIEVE).
+        """Which pages the server holds (page i locked for ``owners[i]`` until its END_SESSION or RETRIEVE)."""
+        return [reply is not None for reply in self._lookups(owners, keys)]
+
+    def _lookups(self, owners: Sequence[str], keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Each page's LOOKUP reply where the server holds it (locked for ``owners[i]``), else None.
         The LOOKUPs go out together and are answered in one round trip."""
         if not keys:
             return []
         try:
             with self._client_lock:
                 futures = [self.client.lookup_async(self._key(o, h)) for o, h in zip(owners, keys, strict=True)]
-            return [int(self.client.transport.wait(f, timeout=self.settings.lookup_timeout)["hit_tokens"]) > 0
-                    for f in futures]
+            replies = [self.client.transport.wait(f, timeout=self.settings.lookup_timeout) for f in futures]
+            return [r if int(r["hit_tokens"]) > 0 else None for r in replies]
         except Exception as exc:  # a server that is down or errs: nothing is held, SGLang computes
             log.warning("kvstrata LOOKUP of %d pages failed (%s); reported as misses", len(keys), exc)
             for o in set(owners):
                 self._end_session(o)
-            return [False] * len(keys)
+            return [None] * len(keys)
+
+    def _located_here(self, reply: dict[str, Any]) -> tuple[ChunkLocations | None, ...] | None:
+        """``LoadSpec.located`` (one entry per rank) for a page this rank looked up: where its one object lies."""
+        located = ChunkLocations.from_lookup_reply(reply)
+        if located is None:
+            return None
+        located = located.covering(self.page_size)
+        return located.only_on_rank(self.rank, self.world_size) if located is not None else None
 
     def _end_session(self, owner: str) -> None:
         owner = lock_owner(owner, self.rank, self.world_size)
@@ -146,9 +158,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         batch = next(self._ids)
         owners = [f"hicache-get-{batch}-{i}" for i in range(len(keys))]
-        held = self._held(owners, keys)
-        specs = [LoadSpec(o, o, b"", None, ((b,),), 0, 0, (h,), self.page_size)
-                 for o, h, b, ok in zip(owners, keys, blocks, held, strict=True) if ok]
+        replies = self._lookups(owners, keys)
+        held = [r is not None for r in replies]
+        specs = [LoadSpec(o, o, b"", None, ((b,),), 0, 0, (h,), self.page_size,
+                          located=self._located_here(r))
+                 for o, h, b, r in zip(owners, keys, blocks, replies, strict=True) if r is not None]
         for o, ok in zip(owners, held, strict=True):
             if not ok:
                 self._end_session(o)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec, lock_owner, shard_key
+from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, lock_owner, shard_key
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.transfer.layouts import LayoutError
 from kvstrata.core.wire.client import CacheClient
@@ -106,10 +106,15 @@ class LayerLoader:
 
     def _lookup_pages(self, request_id: str, page_hashes: Sequence[str]) -> int | None:
         """Whole pages of ``page_hashes`` the server holds, locked for ``request_id``; None if it did not answer."""
+        reply = self._lookup(request_id, page_hashes)
+        return None if reply is None else min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
+
+    def _lookup(self, request_id: str, page_hashes: Sequence[str]) -> dict[str, Any] | None:
+        """The LOOKUP's reply for ``page_hashes`` (its hit locked for ``request_id``); None if it did not answer."""
         if time.monotonic() < self._down_until:
             return None
         try:
-            hit = self.client.lookup(self._key(request_id, page_hashes))
+            reply = self.client.transport.wait(self.client.lookup_async(self._key(request_id, page_hashes)))
         except TimeoutError:
             self._down_until = time.monotonic() + self.settings.lookup_timeout * BACK_OFF_TIMEOUTS
             if not self._unreachable_logged:
@@ -124,7 +129,7 @@ class LayerLoader:
             self._end_session(request_id)
             return None
         self._unreachable_logged = False
-        return min(int(hit) // self.page_size, len(page_hashes))
+        return reply
 
     def _end_session(self, request_id: str) -> None:
         """Release ``request_id``'s lookup locks (fire and forget: a lost release only delays an eviction)."""
@@ -173,14 +178,19 @@ class LayerLoader:
             log.warning("load for %s refused: %d pages of slots for %d page hashes", request_id, len(blocks),
                         len(page_hashes))
             return False
-        pages = self._lookup_pages(request_id, page_hashes)  # locks the chunks for the retrieve
+        reply = self._lookup(request_id, page_hashes)  # locks the chunks for the load
+        pages = None if reply is None else min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
         if pages != len(page_hashes):
             log.info("load for %s refused: the server holds %s of its %d pages now (evicted since the lookup?)",
                      request_id, pages, len(page_hashes))
             self._end_session(request_id)
             return False
+        located = ChunkLocations.from_lookup_reply(reply)
+        located = located.covering(pages * self.page_size) if located is not None else None
+        r = self.runtime
         self._queued[request_id] = LoadSpec(request_id, request_id, b"", None, (tuple(blocks),), 0,
-                                            self.settings.layers_per_stage, tuple(page_hashes), self.page_size)
+                                            self.settings.layers_per_stage, tuple(page_hashes), self.page_size,
+                                            located=located.only_on_rank(r.rank, r.world_size) if located else None)
         return True
 
     def cancel(self, request_id: str) -> bool:

@@ -38,6 +38,7 @@ from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, Trans
 from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
+from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.transfer_queue import POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
@@ -60,10 +61,13 @@ class RetrieveRecord:
     layer_waits: int = 0
     failure: str | None = None
     fallback: str | None = None
+    located_by: str | None = None
+    """Worker placement: ``lookup`` (the LOOKUP's reply said where the chunks are) or ``retrieve``."""
     replied_at: float | None = None
-    """Worker placement: when the RETRIEVE's reply was resolved, by whichever thread read it."""
+    """Worker placement: when the RETRIEVE's reply was resolved, by whichever thread read it (at submit when
+    the LOOKUP located the chunks)."""
     located_at: float | None = None
-    """Worker placement: when the RETRIEVE's reply (where the chunks are) reached the transfer thread."""
+    """Worker placement: when the transfer thread had the chunks' locations."""
     planned_at: float | None = None
     """Worker placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
@@ -174,11 +178,14 @@ class LayerwiseWorker:
     # --- retrieve --------------------------------------------------------------------
 
     def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
-                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0, running: bool = False) -> None:
+                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0, running: bool = False,
+                        located: ChunkLocations | None = None) -> None:
         """Start moving ``key``'s tokens into ``block_ids``; returns at once.
 
         ``running``: the engine computes this request in the step the load starts (a synchronous match, as
         TensorRT-LLM's ``(n, False)``), so layer waits cover it from the start and it is never handed back.
+        ``located``: worker placement, where the LOOKUP found ``key``'s chunks; the load then starts copying
+        without a RETRIEVE round trip (ignored in server placement, where the server copies).
         """
         blocks = [list(map(int, g)) for g in block_ids]
         record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_stage, time.perf_counter())
@@ -193,8 +200,7 @@ class LayerwiseWorker:
             # The RETRIEVE goes out from this (the engine's) thread: the queue's thread only waits for its reply.
             try:
                 self.layout.check_block_ids(blocks, key.num_tokens)
-                reply = self.client.retrieve_async(key, self.instance_id, blocks,
-                                                   skip_first_n_tokens=skip_first_n_tokens)
+                reply = self._locate(key, blocks, skip_first_n_tokens, located, record)
             except Exception as exc:  # reported through the load, like any other failure
                 reply = Future()
                 reply.set_exception(exc)
@@ -219,6 +225,23 @@ class LayerwiseWorker:
         with self._lock:
             self._inflight[request_id] = inflight
             self.records[request_id] = record
+
+    def _locate(self, key: CacheKey, blocks: list[list[int]], skip: int, located: ChunkLocations | None,
+                record: RetrieveRecord) -> Future:
+        """Worker placement: where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its
+        objects fit this cache, else from a RETRIEVE (sent now, from the engine's thread)."""
+        if located is not None:
+            if located.shape == self.layout.shape_signature() and \
+                    sum(t for _, _, t in located.objects) == key.num_tokens:
+                record.located_by = "lookup"
+                reply: Future = Future()
+                reply.set_result(located.as_retrieve_reply())
+                return reply
+            log.info("request %s: the LOOKUP's chunks (shape %s, %d tokens) do not fit this cache (shape %s, "
+                     "%d tokens); asking RETRIEVE", record.request_id, located.shape,
+                     sum(t for _, _, t in located.objects), self.layout.shape_signature(), key.num_tokens)
+        record.located_by = "retrieve"
+        return self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
 
     @staticmethod
     def _note_reply(fut: Future, record: RetrieveRecord) -> None:

@@ -14,7 +14,7 @@ still copying.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from kvstrata.core.store.keys import CacheKey, pack_tokens
@@ -29,6 +29,53 @@ class PromptRequest:
     token_ids: Sequence[int]
     salt: str | None = None
     """Requests that must not share KV (a cache salt, a LoRA adapter) carry different salts."""
+
+
+@dataclass(frozen=True)
+class ChunkLocations:
+    """Where a LOOKUP's locked hit lies in the server's L1 pool (its reply's ``located``).
+
+    An engine that copies from the pool itself (worker placement) starts its load from these instead of
+    asking RETRIEVE where the chunks are: the lookup locks keep them in place until the worker frees them
+    after its copy, and the round trip leaves the path to the first slice. The worker still checks the shape
+    against its own cache and every span against the pool it maps.
+    """
+
+    pool_name: str
+    pool_size: int
+    shape: tuple[int, int, int, int]
+    """(kv, layers, heads, head_bytes) of every object."""
+    objects: tuple[tuple[int, int, int], ...]
+    """(offset, nbytes, tokens) of each locked chunk, in prompt order."""
+
+    @classmethod
+    def from_lookup_reply(cls, reply: dict[str, Any]) -> "ChunkLocations | None":
+        """The locations a LOOKUP reply carries; ``None`` where it carries none (a miss, an older server)."""
+        located = reply.get("located")
+        if not located:
+            return None
+        return cls(str(located["pool"]["name"]), int(located["pool"]["size"]),
+                   tuple(int(x) for x in located["shape"]),  # type: ignore[arg-type]
+                   tuple((int(o), int(n), int(t)) for o, n, t in located["objects"]))
+
+    def covering(self, num_tokens: int) -> "ChunkLocations | None":
+        """The leading objects that hold exactly the first ``num_tokens`` tokens; ``None`` if no prefix does
+        (the load then asks RETRIEVE, which locates the chunks its key names)."""
+        total = 0
+        for i, (_, _, tokens) in enumerate(self.objects):
+            if total == num_tokens:
+                return replace(self, objects=self.objects[:i])
+            total += tokens
+        return self if total == num_tokens else None
+
+    def only_on_rank(self, rank: int, world_size: int) -> tuple["ChunkLocations | None", ...]:
+        """``LoadSpec.located`` for a load one rank looked up itself: these for ``rank``, nothing for the rest."""
+        return tuple(self if r == rank else None for r in range(world_size))
+
+    def as_retrieve_reply(self) -> dict[str, Any]:
+        """The part of a worker-placement RETRIEVE reply these stand for: the pool and the objects."""
+        return {"pool": {"name": self.pool_name, "size": self.pool_size},
+                "objects": [list(o) for o in self.objects]}
 
 
 @dataclass(frozen=True)
@@ -47,6 +94,9 @@ class LoadSpec:
     """An engine that names prompts by its own page-hash chain (SGLang) sets these and leaves ``tokens``
     empty: the key is then :meth:`CacheKey.for_page_hashes`."""
     page_size: int = 0
+    located: tuple[ChunkLocations | None, ...] | None = None
+    """Per rank, where the LOOKUP found this load's chunks (worker placement copies from there without a
+    RETRIEVE); ``None`` for a rank, or for all, whose load must ask RETRIEVE."""
 
     @property
     def num_tokens(self) -> int:

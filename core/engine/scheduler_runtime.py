@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvstrata.core.adapter_api.plugins import Adapter
-from kvstrata.core.engine.requests import LoadSpec, PromptRequest, StoreSpec, lock_owner, shard_keys
+from kvstrata.core.engine.requests import (ChunkLocations, LoadSpec, PromptRequest, StoreSpec, lock_owner,
+                                           shard_keys)
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import pack_tokens
 from kvstrata.core.wire.client import CacheClient
@@ -51,6 +52,8 @@ class _Hit:
     tokens: int
     local: int
     """Tokens the engine had computed itself (its own prefix cache) when the hit was reported."""
+    located: tuple[ChunkLocations | None, ...]
+    """Per rank, where its LOOKUP found the hit in the pool (see :class:`ChunkLocations`)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,8 @@ class SchedulerRuntime:
         if external <= 0:
             self._free_locks(rid)
             return 0
-        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens)
+        located = tuple(ChunkLocations.from_lookup_reply(r) for r in replies)
+        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens, located)
         log.debug("request %s: %d tokens from kvstrata after %d local", rid, external, num_computed_tokens)
         return external
 
@@ -151,9 +155,11 @@ class SchedulerRuntime:
         hit = self._hits.get(rid)
         if num_external_tokens <= 0 or hit is None or rid in self._loads_planned:
             return
+        located = tuple(loc.covering(hit.tokens) if loc is not None else None for loc in hit.located)
         self._pending_loads.append(LoadSpec(
             rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
-            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_stage))
+            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_stage,
+            located=located if any(loc is not None for loc in located) else None))
         self._loads_planned.add(rid)
 
     # --- every step --------------------------------------------------------------------

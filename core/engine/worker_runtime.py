@@ -199,11 +199,14 @@ class WorkerRuntime:
         for spec in loads:
             key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                             world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
+            located = spec.located[self.rank] if spec.located and self.rank < len(spec.located) else None
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                           layers_per_stage=spec.layers_per_stage, running=running)
+                                           layers_per_stage=spec.layers_per_stage, running=running,
+                                           located=located)
             self.stats.bump(loads_started=1)
             self.record.write("load_started", request_id=spec.request_id, rank=self.rank, tokens=spec.num_tokens,
-                              skip=spec.skip, layers_per_stage=spec.layers_per_stage, running=running)
+                              skip=spec.skip, layers_per_stage=spec.layers_per_stage, running=running,
+                              located_by=getattr(self.transfers.records.get(spec.request_id), "located_by", None))
 
     def wait_for_layer(self, layer: int) -> None:
         """Before the engine reads ``layer``: every released, in-flight load must have landed it (bounded)."""

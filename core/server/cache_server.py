@@ -188,7 +188,7 @@ class CacheServer:
         state = self.state()
         return {"version": VERSION, "chunk_size": self.config.chunk_size,
                 "uptime_s": round(time.time() - self.metrics.started_at, 3),
-                "l1": state["l1"], "pool": {"name": self.store.segment.name, "size": self.store.capacity},
+                "l1": state["l1"], "pool": self._pool_ref(),
                 "instances": [i["instance_id"] for i in state["instances"]], "instance_details": state["instances"],
                 "transfers_in_flight": sum(i["transfers"] for i in state["instances"]),
                 "totals": self.metrics.totals(), "metrics_port": self.metrics_port,
@@ -227,7 +227,7 @@ class CacheServer:
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)
         return {"instance_id": instance_id, "chunk_size": self.config.chunk_size, "device": target.device,
-                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+                "pool": self._pool_ref()}
 
     def _may_replace(self, held: _Instance, caller: bytes | None) -> bool:
         """A registration may be replaced by the connection that made it, or once that connection is gone
@@ -249,9 +249,28 @@ class CacheServer:
         ck = CacheKey.from_wire(key)
         digests = ck.chunk_hashes(self.config.chunk_size)
         hit = self.store.lookup(ck.request_id, digests)
+        reply: dict[str, Any] = {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
         if hit:
             self._looked_up[ck.request_id] = (ck, digests)
-        return {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
+            reply["located"] = self._locations(hit)
+        return reply
+
+    def _locations(self, objects: list[StoredObject]) -> dict[str, Any] | None:
+        """Where a LOOKUP's locked hit lies in the pool, for an engine that copies it itself (worker placement).
+
+        The locks keep these objects in place until FREE_LOOKUP_LOCKS or END_SESSION, so an engine that has
+        this needs no RETRIEVE round trip before its first copy. ``None`` when the objects do not share one
+        shape (the engine then sends RETRIEVE, which names the mismatch).
+        """
+        shape = objects[0].shape_signature
+        if any(o.shape_signature != shape for o in objects):
+            return None
+        return {"pool": self._pool_ref(), "shape": list(shape),
+                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects]}
+
+    def _pool_ref(self) -> dict[str, Any]:
+        """The L1 pool as an engine maps it: the segment's name and size."""
+        return {"name": self.store.segment.name, "size": self.store.capacity}
 
     def free_lookup_locks(self, request_id: str) -> int:
         return self._release_locks(request_id)
@@ -377,7 +396,7 @@ class CacheServer:
         finally:
             self._release(inst)
         return {"reservation": rid, "objects": objects, "skipped_tokens": skipped, "full": full,
-                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+                "pool": self._pool_ref()}
 
     def commit_store(self, reservation: int, landed: bool) -> dict[str, Any]:
         """Commit a reservation whose copies the engine saw complete, or drop it (``landed`` false)."""
@@ -526,8 +545,7 @@ class CacheServer:
         # block_ids name the worker's own cache, which only the worker can check
         objects = self._locked_objects(ck, inst.layout)
         return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_stage": 0, "fallback": None,
-                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects],
-                "pool": {"name": self.store.segment.name, "size": self.store.capacity}}
+                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects], "pool": self._pool_ref()}
 
     def _plan_retrieve(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]], skip: int,
                        board: ArrivalBoard | None, event_handle: bytes | None,

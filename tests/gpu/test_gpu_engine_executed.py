@@ -21,7 +21,7 @@ import torch
 from kvstrata.adapters.vllm import hooks as vllm_hooks
 from kvstrata.adapters.vllm.kv_layout import layer_index
 from kvstrata.core.adapter_api.plugins import load_adapter
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey, pack_tokens
@@ -63,14 +63,20 @@ def engine(gpu_server, tmp_path_factory):
     side.close()
 
 
-def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width: int) -> None:
-    """The scheduler side's LOOKUP (it locks the chunks for the request), then the worker side's load."""
+def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width: int,
+         locate: str = "lookup") -> None:
+    """The scheduler side's LOOKUP (it locks the chunks for the request), then the worker side's load, which
+    starts from where the LOOKUP found the chunks (``locate="retrieve"``: asks RETRIEVE, as without them)."""
     scheduler = CacheClient(side.settings.server_address)
     try:
-        assert scheduler.lookup(CacheKey(rid, side.model, 1, 0, pack_tokens(tokens), None)) == len(tokens)
+        key = CacheKey(rid, side.model, 1, 0, pack_tokens(tokens), None)
+        reply = scheduler.transport.wait(scheduler.lookup_async(key))
+        assert reply["hit_tokens"] == len(tokens)
     finally:
         scheduler.close()
-    side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width)])
+    located = (ChunkLocations.from_lookup_reply(reply),) if locate == "lookup" else None
+    side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width, located=located)])
+    assert side.transfers.records[rid].located_by == locate
 
 
 def test_the_prompt_was_stored_by_the_engines_own_copies(engine, gpu_server) -> None:
@@ -96,15 +102,16 @@ def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_serve
         probe.close()
 
 
+@pytest.mark.parametrize("locate", ["lookup", "retrieve"])
 @pytest.mark.parametrize("width", [0, 1, 2, 3, 8, 32])
-def test_every_width_lands_byte_exact_in_the_engines_cache(engine, width: int) -> None:
+def test_every_width_lands_byte_exact_in_the_engines_cache(engine, width: int, locate: str) -> None:
     side, layers, tokens, truth, _ = engine
     dst = list(range(100, 100 + N_BLOCKS))
     random.Random(width).shuffle(dst)
     for t in layers.values():
         t[dst] = 0
-    rid = f"ee-w{width}"
-    load(side, rid, tokens, dst, width)
+    rid = f"ee-w{width}-{locate}"
+    load(side, rid, tokens, dst, width, locate)
     wait_released(side, rid)
     for name in layers:  # vLLM's wait_for_layer_load before each layer: the engine's stream waits
         side.wait_for_layer(layer_index(name))

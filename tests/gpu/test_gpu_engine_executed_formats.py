@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.wire.client import CacheClient
@@ -52,15 +53,18 @@ def test_engine_executed_widths_match_the_stored_blocks_and_chunk_major(gpu_serv
         for i, width in enumerate([0] + WIDTHS):
             rid = f"ee-{fmt}-{dtype}-w{width}"
             key = CacheKey.for_tokens(rid, prompt, model=fmt)
-            assert client.lookup(key) == TOKENS
+            reply = client.transport.wait(client.lookup_async(key))
+            assert reply["hit_tokens"] == TOKENS
             dst = shuffled_blocks((i + 1) * nb, nb, seed=100 + i)
             cache.poison(dst)
             torch.cuda.synchronize()
-            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            # from where the LOOKUP found the chunks, as the engine runtime starts a worker-placement load
+            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width,
+                                   located=ChunkLocations.from_lookup_reply(reply))
             _, reads = release_then_read(worker, rid, lambda layer: cache.read(dst, 0, TOKENS, [layer]),
                                          cache.num_layers)
             rec = worker.records[rid]
-            assert rec.failure is None and rec.fallback is None, rec
+            assert rec.failure is None and rec.fallback is None and rec.located_by == "lookup", rec
             for layer, got in enumerate(reads):
                 assert got.equal(truth[:, layer:layer + 1]), f"{fmt}/{dtype} width {width}: layer {layer} differs"
             per_width[width] = reads

@@ -14,6 +14,7 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.requests import ChunkLocations
 
 from gpu_helpers import release_then_read, shuffled_blocks
 
@@ -60,9 +61,11 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             dst = shuffled_blocks(nb, nb, seed=2)
             cache.poison(dst)
             key = CacheKey.for_tokens("big", prompt, model="llama")
-            assert client.lookup(key) == TOKENS
+            reply = client.transport.wait(client.lookup_async(key))
+            assert reply["hit_tokens"] == TOKENS
             torch.cuda.synchronize()
-            worker.submit_retrieve("big", key, [dst], layers_per_stage=1)
+            located = ChunkLocations.from_lookup_reply(reply) if placement == "worker" else None
+            worker.submit_retrieve("big", key, [dst], layers_per_stage=1, located=located)
             state, reads = release_then_read(
                 worker, "big", lambda layer: cache.read(dst, 0, TOKENS, [layer]).eq(truth[:, layer:layer + 1]).all(),
                 cache.num_layers)
