@@ -17,7 +17,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
   with ``-norings`` (``server-norings``) is the same without the shared-memory rings and the GPU mailbox, one
   named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time). An
   engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
-  named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B).
+  named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
+  ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
+  default is two per SM).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -67,6 +69,12 @@ def ring_setting(placement: str) -> tuple[str, bool | None]:
         if placement.endswith(suffix):
             return placement.removesuffix(suffix), rings
     return placement, None
+
+
+def scatter_ctas(placement: str) -> tuple[str, int | None]:
+    """(the placement without a ``-ctasN`` suffix, N or None: the copier's default)."""
+    base, sep, n = placement.rpartition("-ctas")
+    return (base, int(n)) if sep and n.isdigit() else (placement, None)
 
 
 def locates_by_lookup(placement: str) -> bool:
@@ -220,6 +228,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
+    from kvstrata.native.cuda_executor import NO_DIRECT_COPIES, CudaTransferConfig
     from kvstrata.native.gpu_caches import GpuKVCache
 
     nb = prefix // s.block
@@ -230,8 +239,10 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         r.reader = prefix_reader(cache, r.blocks, s)
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
-        backend = ProbingBackend(CudaEventBackend("cuda:0"))
-        base, rings = ring_setting(placement.removesuffix(LOCATE_SUFFIX))
+        base, ctas = scatter_ctas(placement.removesuffix(LOCATE_SUFFIX))
+        base, rings = ring_setting(base)
+        config = None if ctas is None else CudaTransferConfig(max_ctas=ctas, direct_copy_min_run=NO_DIRECT_COPIES)
+        backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
         arm_client = client
         if not server or rings is not None:  # a connection of its own, so no other arm's rings carry its requests

@@ -29,9 +29,12 @@ def _device_index(device: str | int | torch.device) -> int:
 class CudaEventBackend:
     name = "cuda"
 
-    def __init__(self, device: str | int | torch.device = "cuda") -> None:
+    def __init__(self, device: str | int | torch.device = "cuda", *, transfer_config: Any = None) -> None:
+        """``transfer_config``: the ``CudaTransferConfig`` of this process's own copies (worker placement);
+        None: ``CudaLocalCopier``'s default."""
         if not torch.cuda.is_available():
             raise RuntimeError("CudaEventBackend needs a CUDA device; torch.cuda.is_available() is False")
+        self.transfer_config = transfer_config
         self.index = _device_index(device)
         self.device = f"cuda:{self.index}"
         self._store_event: torch.cuda.Event | None = None
@@ -70,7 +73,7 @@ class CudaEventBackend:
         """Worker placement on this GPU: the engine's own copies (see ``CudaLocalCopier``)."""
         from kvstrata.native.cuda_executor import CudaLocalCopier
 
-        return CudaLocalCopier(layout, regions, pool, self.index, writable=writable)
+        return CudaLocalCopier(layout, regions, pool, self.index, self.transfer_config, writable=writable)
 
     def store_event_handle(self, stream: torch.cuda.Stream | None = None) -> bytes:
         """Record this backend's STORE event on ``stream`` (default: current) and return its handle.
