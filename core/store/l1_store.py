@@ -7,8 +7,9 @@ hidden]`` bytes at an aligned offset; the store tracks only offsets, sizes and
 locks, never the bytes' meaning beyond the shape signature.
 
 Locks: LOOKUP read-locks the chunks it reports for that request, so they cannot
-be evicted between LOOKUP and RETRIEVE. RETRIEVE, FREE_LOOKUP_LOCKS and
-END_SESSION release them. A STORE that cannot find room after evicting every
+be evicted or moved between LOOKUP and RETRIEVE, or, in worker placement, until
+the engine's own copy from the offsets the LOOKUP reported is done. RETRIEVE
+(server placement), FREE_LOOKUP_LOCKS and END_SESSION release them. A STORE that cannot find room after evicting every
 unlocked object fails with :class:`StoreFull`; it never overwrites a locked
 object.
 """
