@@ -282,13 +282,15 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None, rings: str = "all",
-                   placement: str = "server", locate: str = "lookup") -> dict[str, Any]:
+                   placement: str = "server", locate: str = "lookup", worker_rings: bool | None = None
+                   ) -> dict[str, Any]:
     """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
     ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
     over CUDA IPC) or ``worker`` (engine-executed: this process maps the pool read-only and copies with its own
     streams; the prompt is stored through a second, server-placement instance). ``locate`` (worker placement):
     ``lookup`` starts each load from where its LOOKUP found the chunks, as the engine runtime does;
-    ``retrieve`` asks RETRIEVE first (the A/B)."""
+    ``retrieve`` asks RETRIEVE first (the A/B). ``worker_rings``: the engine-executed worker's ``shm_rings``
+    (None: its default, none attached)."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
@@ -306,6 +308,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "rings": rings}
     if placement == "worker":
         out["locate"] = locate
+        out["worker_rings"] = worker_rings
     with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
                        extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
         backend = CudaEventBackend("cuda:0")
@@ -327,7 +330,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 worker_client = CacheClient(srv.address, timeout=120.0, rings=rings)
                 worker = LayerwiseWorker(worker_client, 1, cache.layout, placement="worker", event_backend=backend,
                                          local_regions=cache.region_tensors(), registration_layout=area.layout,
-                                         pool_writable=True)
+                                         pool_writable=True, shm_rings=worker_rings)
                 t = time.perf_counter()
                 worker.register()  # maps the pool (writable: it stores too) and registers it for DMA
                 out["worker_register_s"] = round(time.perf_counter() - t, 3)
@@ -497,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
     p.add_argument("--skip", default="", help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (both engine-executed "
-                        "phases), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are)")
+                        "phases), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
+                        "rings_ab (only the engine-executed worker with shared-memory rings)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
@@ -548,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("engine_executed_retrieve", lambda: measure_server(
             modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
             locate="retrieve")))
+    if "rings_ab" not in skip:  # the same engine-executed loads and stores with the worker's rings attached
+        phases.append(("engine_executed_rings", lambda: measure_server(
+            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
+            worker_rings=True)))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue
