@@ -499,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="staged,kernel", help="copy modes, the first is primary (targets)")
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (both engine-executed "
-                        "phases), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
+    p.add_argument("--skip", default="",
+                   help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-executed "
+                        "phase), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
                         "rings_ab (only the engine-executed worker with shared-memory rings)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
