@@ -282,14 +282,15 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None, rings: str = "all",
-                   placement: str = "server", locate: str = "lookup", worker_rings: bool = True) -> dict[str, Any]:
+                   placement: str = "server", locate: str = "lookup", worker_rings: bool | None = None
+                   ) -> dict[str, Any]:
     """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
     ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
     over CUDA IPC) or ``worker`` (engine-executed: this process maps the pool read-only and copies with its own
     streams; the prompt is stored through a second, server-placement instance). ``locate`` (worker placement):
     ``lookup`` starts each load from where its LOOKUP found the chunks, as the engine runtime does;
     ``retrieve`` asks RETRIEVE first (the A/B). ``worker_rings``: the engine-executed worker's ``shm_rings``
-    (its default: on)."""
+    (None: its default, none attached)."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="",
                    help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-executed "
                         "phase), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
-                        "rings_ab (only the engine-executed worker without shared-memory rings)")
+                        "rings_ab (only the engine-executed worker with shared-memory rings)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
@@ -552,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("engine_executed_retrieve", lambda: measure_server(
             modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
             locate="retrieve")))
-    if "rings_ab" not in skip:  # the same engine-executed loads and stores without the worker's rings
-        phases.append(("engine_executed_norings", lambda: measure_server(
+    if "rings_ab" not in skip:  # the same engine-executed loads and stores with the worker's rings attached
+        phases.append(("engine_executed_rings", lambda: measure_server(
             modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
-            worker_rings=False)))
+            worker_rings=True)))
     for name, fn in phases:
         if name.split("_")[0] in skip:
             continue

@@ -54,8 +54,8 @@ sys.path.insert(0, HERE)
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
 RING_SUFFIXES = {"-norings": False, "-rings": True}
 """A placement ending in ``-norings`` (``server-norings``) runs with ``CacheClient(rings="none")``: no shared-memory
-request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. ``-rings`` names the default
-(rings on) explicitly."""
+request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. One ending in ``-rings``
+(``worker-rings``) attaches them where the placement would not (worker placement attaches none by default)."""
 
 
 LOCATE_SUFFIX = "-retrieve"
@@ -64,7 +64,7 @@ the LOOKUP's reply."""
 
 
 def ring_setting(placement: str) -> tuple[str, bool | None]:
-    """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = its default, on)."""
+    """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
     for suffix, rings in RING_SUFFIXES.items():
         if placement.endswith(suffix):
             return placement.removesuffix(suffix), rings
@@ -250,7 +250,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             rig.clients.append(arm_client)
         if server:
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
-                                     shm_rings=rings is not False)
+                                     shm_rings=rings)
         else:
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
@@ -258,7 +258,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="worker",
                                      event_backend=backend, local_regions=cache.region_tensors(),
                                      registration_layout=staging.layout, transfer_queue_policy=policy,
-                                     shm_rings=rings is not False)
+                                     shm_rings=rings)
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)

@@ -220,9 +220,9 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
     assert ring.segment.name not in os.listdir("/dev/shm"), "the client left its ring behind"
 
 
-def test_both_placements_attach_rings_unless_told_not_to(server):
-    """A worker attaches the client's rings at registration in either placement; ``shm_rings=False`` leaves
-    them off (the ``-norings`` A/B arms of ``benchmarks/ttft.py``)."""
+def test_an_engine_executed_worker_attaches_no_rings_unless_asked(server):
+    """Worker placement leaves the rings off by default (they did not shorten first-token time there);
+    ``shm_rings=True`` still attaches them, and server placement attaches them by default."""
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
 
@@ -232,10 +232,9 @@ def test_both_placements_attach_rings_unless_told_not_to(server):
                         "registration_layout": area.layout}
     clients, workers = [], []
     try:
-        for instance, options, attached in ((42, worker_placement, True),
-                                            (43, {**worker_placement, "shm_rings": False}, False),
-                                            (44, {}, True),  # server placement
-                                            (45, {"shm_rings": False}, False)):
+        for instance, options, attached in ((42, worker_placement, False),
+                                            (43, {**worker_placement, "shm_rings": True}, True),
+                                            (44, {}, True)):  # server placement
             client = CacheClient(server.address, timeout=20.0)
             clients.append(client)
             worker = LayerwiseWorker(client, instance, engine.layout, **options)

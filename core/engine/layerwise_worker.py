@@ -104,7 +104,7 @@ class LayerwiseWorker:
                  local_regions: Sequence[torch.Tensor] | None = None, pool_slots: int = 8,
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
-                 shm_rings: bool = True, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
+                 shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
                  pool_writable: bool = False) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
@@ -144,14 +144,16 @@ class LayerwiseWorker:
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into
         objects the server reserved (:meth:`store_to_pool`); otherwise it is mapped read-only."""
-        self.shm_rings = shm_rings
+        self.shm_rings = placement == PLACEMENT_SERVER if shm_rings is None else shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
-        sees a request, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake), in both
-        placements. Engine-executed loads had them off for a while: while each load still sent a RETRIEVE,
-        first-token time was about 5% longer with them at four requests (``benchmarks/results/
-        h200-2026-12-02-session7``). Since a load starts from its LOOKUP's locations, the worker's connection
-        carries only its stores and lock releases, and with the rings its first-token time was as short or
-        shorter in every cell measured and its stores shorter (``h200-2026-12-02-session8``, runs 4-5)."""
+        sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake). By
+        default only in server placement. With the engine computing (``benchmarks/ttft.py``'s ``-norings``
+        arms on an H200, ``benchmarks/results/h200-2026-12-02-session7``), engine-executed loads were no
+        faster with them at one request and about 5% slower at four, in two runs; on an idle GPU they made
+        the engine-executed RETRIEVE's round trip 0.3 ms shorter, which first-token time did not show. Once
+        loads started from their LOOKUP's locations (no RETRIEVE), the A/B ran again on two VMs
+        (``h200-2026-12-02-session8``, runs 4 and 5): one favoured the rings, the other was faster without
+        them in 10 of 12 cells, so the default stays; they shortened a store by 0.1-0.2 ms."""
 
     # --- public properties the design asks adapters to use ---------------------------
 
