@@ -19,7 +19,8 @@ context are time-sliced against that compute. This benchmark runs the compute.
   engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
-  default is two per SM).
+  default is two per SM); ``-prio0`` (``worker-prio0``) runs its copy and scatter streams at normal priority
+  (the default is the highest).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -75,6 +76,18 @@ def scatter_ctas(placement: str) -> tuple[str, int | None]:
     """(the placement without a ``-ctasN`` suffix, N or None: the copier's default)."""
     base, sep, n = placement.rpartition("-ctas")
     return (base, int(n)) if sep and n.isdigit() else (placement, None)
+
+
+NORMAL_PRIORITY_SUFFIX = "-prio0"
+"""An engine-executed placement ending in ``-prio0`` runs its copy and scatter streams at normal priority (0)
+instead of the highest (-1)."""
+
+
+def copy_priority(placement: str) -> tuple[str, int | None]:
+    """(the placement without a ``-prio0`` suffix, the copier's stream priority: 0, or None for its default)."""
+    if placement.endswith(NORMAL_PRIORITY_SUFFIX):
+        return placement.removesuffix(NORMAL_PRIORITY_SUFFIX), 0
+    return placement, None
 
 
 def locates_by_lookup(placement: str) -> bool:
@@ -239,9 +252,11 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         r.reader = prefix_reader(cache, r.blocks, s)
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
-        base, ctas = scatter_ctas(placement.removesuffix(LOCATE_SUFFIX))
+        base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
+        base, ctas = scatter_ctas(base)
         base, rings = ring_setting(base)
-        config = None if ctas is None else CudaTransferConfig(max_ctas=ctas, direct_copy_min_run=NO_DIRECT_COPIES)
+        config = None if ctas is None and priority is None else CudaTransferConfig(
+            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
         arm_client = client

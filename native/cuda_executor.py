@@ -78,6 +78,9 @@ class CudaTransferConfig:
     direct_copy_min_run: int = 256 << 10
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this
     (``NO_DIRECT_COPIES``: never)."""
+    stream_priority: int | None = None
+    """Of the copy and kernel streams (lower is higher); None: the user's default (a server's 0, an engine's own
+    copies -1, the highest)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -278,6 +281,8 @@ class CudaTransferEngine:
             dev_base = pin_pool(self.pool, device_index, self.ext, read_only=pool_read_only)
             self._pool_range = (self.pool.data_ptr(), self.pool.numel(), dev_base)
         with torch.cuda.device(device_index):
+            if self.config.stream_priority is not None:
+                stream_priority = self.config.stream_priority
             self.stream = torch.cuda.Stream(device_index, priority=stream_priority)
             self.copy_stream = torch.cuda.Stream(device_index, priority=stream_priority) \
                 if self.config.mode == "staged" else None
