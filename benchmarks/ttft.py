@@ -19,8 +19,8 @@ context are time-sliced against that compute. This benchmark runs the compute.
   engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
-  default is two per SM); ``-prio0`` (``worker-prio0``) runs its copy and scatter streams at normal priority
-  (the default is the highest).
+  default is two per SM); ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest
+  priority (the default is normal priority; ``-prio0`` names it).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -78,15 +78,16 @@ def scatter_ctas(placement: str) -> tuple[str, int | None]:
     return (base, int(n)) if sep and n.isdigit() else (placement, None)
 
 
-NORMAL_PRIORITY_SUFFIX = "-prio0"
-"""An engine-executed placement ending in ``-prio0`` runs its copy and scatter streams at normal priority (0)
-instead of the highest (-1)."""
+PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
+"""An engine-executed placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
+(-1), one ending in ``-prio0`` at normal priority (0, the default since session 8's runs 6-7 measured it so)."""
 
 
 def copy_priority(placement: str) -> tuple[str, int | None]:
-    """(the placement without a ``-prio0`` suffix, the copier's stream priority: 0, or None for its default)."""
-    if placement.endswith(NORMAL_PRIORITY_SUFFIX):
-        return placement.removesuffix(NORMAL_PRIORITY_SUFFIX), 0
+    """(the placement without a priority suffix, the copier's stream priority, or None for its default)."""
+    for suffix, priority in PRIORITY_SUFFIXES.items():
+        if placement.endswith(suffix):
+            return placement.removesuffix(suffix), priority
     return placement, None
 
 

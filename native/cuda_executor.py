@@ -60,6 +60,10 @@ MODES = ("kernel", "staged", "torch")
 _MAX_VEC = 16
 
 
+ENGINE_COPY_PRIORITY = 0
+"""The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, not the highest (-1), so its
+scatter kernels do not pre-empt the engine's compute (measured: see the class)."""
+
 NO_DIRECT_COPIES = 1 << 62
 """A ``direct_copy_min_run`` no run reaches: always stage."""
 
@@ -79,8 +83,8 @@ class CudaTransferConfig:
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this
     (``NO_DIRECT_COPIES``: never)."""
     stream_priority: int | None = None
-    """Of the copy and kernel streams (lower is higher); None: the user's default (a server's 0, an engine's own
-    copies -1, the highest)."""
+    """Of the copy and kernel streams (lower is higher; -1 is the highest); None: the user's default (0, normal,
+    for a server's and an engine's own copies)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -257,8 +261,8 @@ class CudaTransferEngine:
                  device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False,
                  stream_priority: int = 0) -> None:
         """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1).
-        ``stream_priority``: of the copy and kernel streams (lower is higher; an engine runs its copies at
-        high priority so its own compute does not hold them back)."""
+        ``stream_priority``: of the copy and kernel streams (lower is higher; see :data:`ENGINE_COPY_PRIORITY`
+        for an engine's own copies)."""
         self.layout = layout
         self.config = config or CudaTransferConfig()
         self.index = device_index
@@ -856,10 +860,17 @@ class CudaLocalCopier:
     """Engine-executed loads: this engine process copies from the server's L1 pool into its own CUDA cache.
 
     Built once per mapping of the pool (at registration): the pool, mapped read-only here, is registered for
-    DMA then (``register_s`` says what that cost), and the copies run on this process's own high-priority
-    streams in the engine's CUDA context, so they are not time-sliced against the engine's compute the way
-    a server process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait
-    makes the engine's stream wait on it, and the CPU never blocks on a copy.
+    DMA then (``register_s`` says what that cost), and the copies run on this process's own streams in the
+    engine's CUDA context, so they are not time-sliced against the engine's compute the way a server
+    process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait makes the
+    engine's stream wait on it, and the CPU never blocks on a copy.
+
+    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`). At the highest priority the scatter
+    kernels pre-empt the engine's compute kernels and the layers computed while later ones still copy take
+    longer; with the engine computing, first-token time was shorter at normal priority in 19 of 24 cells of
+    two H200 runs (vLLM and SGLang formats by 0.1-2.3 ms at one request and 3.9-6.8 ms at four; TensorRT-LLM's
+    within -0.5/+0.9 ms at one request, +1.7 and -0.8 ms at four), ``benchmarks/results/
+    h200-2026-12-02-session8`` runs 6-7.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
@@ -875,7 +886,7 @@ class CudaLocalCopier:
         config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES)
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable,
-                                         stream_priority=-1)
+                                         stream_priority=ENGINE_COPY_PRIORITY)
         self.register_s = time.perf_counter() - t0
         log.info("engine-executed %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
                  "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,

@@ -3,7 +3,7 @@ server's L1 pool and its own cache.
 
 The engine maps the server's pool and registers it for DMA once, at registration; a STORE copies into
 objects the server reserved and commits them once the copies landed (the fixture stores that way); each load's
-copies run on the engine's own high-priority streams in its CUDA context, a slice's event is recorded in
+copies run on the engine's own streams in its CUDA context, a slice's event is recorded in
 the engine process, the request goes back on its first slice, and a layer wait orders the engine's stream
 on that event. The cache is vLLM-shaped (one buffer, LBNHC views) and needs no CUDA IPC export. Driven
 through the core's WorkerRuntime with the vLLM adapter's hooks (vLLM does not install on the GPU machine).
