@@ -129,3 +129,38 @@ def test_unregistering_the_instance_drops_its_reservations(client):
         w.close()
         area.close()
         engine.close()
+
+
+def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_start():
+    """RESERVE_STORE reserves chunk after chunk until the pool is full; the reply says so, and what was
+    reserved stores (and later loads) like any reservation."""
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
+    chunk_bytes = engine.layout.object_bytes(64)
+    with ServerProcess(l1_bytes=2 * chunk_bytes, chunk_size=64) as small:
+        client = CacheClient(small.address, timeout=20.0)
+        area = RegistrationArea(engine.layout, chunk_size=64)
+        w = LayerwiseWorker(client, 34, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                            registration_layout=area.layout, pool_writable=True)
+        try:
+            w.register()
+            prompt = random_prompt(3 * 64, seed=46)
+            src = computed(engine, prompt)
+            key = CacheKey.for_tokens("s6", prompt, model="m")
+            reply = client.reserve_store(key, 34, 0)
+            assert [o[3] for o in reply["objects"]] == [0, 64], "the first two chunks fit, in prompt order"
+            assert "L1 pool full" in reply["full"], reply["full"]
+            client.commit_store(reply["reservation"], False)
+            assert w.store_to_pool(CacheKey.for_tokens("s6b", prompt, model="m"), [src]) == \
+                {"stored_tokens": 128, "skipped_tokens": 0}
+            dst_key, dst = lookup_into_fresh_blocks(client, engine, "l6", prompt[:128])
+            w.submit_retrieve("l6", dst_key, [dst], layers_per_stage=4)
+            engine_loop(w, "l6", SMALL_32.num_layers)
+            assert engine.mismatched_layers(prompt[:128], dst, 0, 128) == []
+        finally:
+            w.close()
+            client.close()
+            area.close()
+            engine.close()
+

@@ -189,6 +189,27 @@ def test_full_pool_of_locked_chunks_rejects_store_and_keeps_serving():
             client.close()
 
 
+def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_and_says_it_was_full():
+    from kvstrata.core.wire.client import CacheClient
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")
+    with ServerProcess(l1_bytes=2 * 64 * shape.kv_bytes_per_token(), chunk_size=64) as small:
+        client = CacheClient(small.address)
+        engine = make_engine(client, shape)
+        try:
+            prompt = list(range(7000, 7000 + 3 * 64))
+            with pytest.raises(RemoteError, match="STORE: L1 pool full"):
+                store_prompt(client, engine, prompt)
+            assert client.lookup(CacheKey.for_tokens("hit", prompt, model="m")) == 128, "the first two chunks"
+            dst = engine.allocate(128)
+            client.retrieve(CacheKey.for_tokens("hit", prompt[:128], model="m"), 0, [dst])
+            assert engine.mismatched_layers(prompt, dst, 0, 128) == []
+        finally:
+            engine.close()
+            client.close()
+
+
 def test_store_skips_chunks_already_stored(client):
     shape = ModelShape(num_layers=2, num_heads=1, head_size=8, dtype="float32")
     engine = make_engine(client, shape)

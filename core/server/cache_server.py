@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.board import ArrivalBoard, pack
@@ -307,28 +307,21 @@ class CacheServer:
         pending: list[tuple[StoredObject, int]] = []
         full: StoreFull | None = None
         try:
-            for index, digest in enumerate(digests):
-                start = index * cs
-                count = min(cs, n - start)
-                if start + count <= skip_first_n_tokens:
-                    skipped += count
-                    continue
-                try:
-                    obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
-                except StoreFull as exc:
-                    full = exc  # keep what was gathered so far, as before, then report
-                    break
-                if obj is None:
-                    skipped += count
-                    continue
-                pending.append((obj, count))
-                job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
-                executor = inst.target.executor([obj])
-                try:
-                    executor.gather(job)
-                finally:
-                    executor.close()
-                self.transport.release_turn()  # the copy engine has work: other requests may be taken now
+            try:
+                for obj, start, count in self._reserve_chunks(digests, n, layout, skip_first_n_tokens):
+                    if obj is None:
+                        skipped += count
+                        continue
+                    pending.append((obj, count))
+                    job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
+                    executor = inst.target.executor([obj])
+                    try:
+                        executor.gather(job)
+                    finally:
+                        executor.close()
+                    self.transport.release_turn()  # the copy engine has work: other requests may be taken now
+            except StoreFull as exc:
+                full = exc  # keep what was gathered so far, as before, then report
             done = inst.target.completion()
         except BaseException:
             try:
@@ -356,6 +349,24 @@ class CacheServer:
 
         return self._answer(inst.target, done, settle)
 
+    def _reserve_chunks(self, digests: Iterable[bytes], num_tokens: int, layout: PagedKVLayout,
+                        skip: int) -> Iterator[tuple[StoredObject | None, int, int]]:
+        """For each chunk of a prompt being stored, in order: (its new uncommitted object, first token, tokens),
+        or ``None`` for the object where the chunk is before ``skip`` or already stored.
+
+        STORE and RESERVE_STORE both walk a prompt this way. Lazy, so a STORE starts copying its first chunk
+        before the later ones are hashed; raises :class:`StoreFull` at the first chunk that finds no room (the
+        objects yielded before it stay reserved, for the caller to keep or drop).
+        """
+        cs = self.config.chunk_size
+        for index, digest in enumerate(digests):
+            start = index * cs
+            count = min(cs, num_tokens - start)
+            if start + count <= skip:
+                yield None, start, count
+                continue
+            yield self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature()), start, count
+
     def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
         """Worker placement: reserve objects for the key's chunks that are not stored yet; the engine copies
         into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
@@ -369,25 +380,18 @@ class CacheServer:
             if not 0 <= skip_first_n_tokens <= n:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's "
                                    "tokens)")
-            layout, cs = inst.layout, self.config.chunk_size
             reserved: list[tuple[StoredObject, int]] = []
             objects, skipped, full = [], 0, None
-            for index, digest in enumerate(ck.iter_chunk_hashes(cs)):
-                start = index * cs
-                count = min(cs, n - start)
-                if start + count <= skip_first_n_tokens:
-                    skipped += count
-                    continue
-                try:
-                    obj = self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature())
-                except StoreFull as exc:
-                    full = str(exc)  # reserve what fits, from the prompt's start; the rest is not stored
-                    break
-                if obj is None:
-                    skipped += count
-                    continue
-                reserved.append((obj, count))
-                objects.append([obj.offset, obj.nbytes, count, start])
+            try:
+                for obj, start, count in self._reserve_chunks(ck.iter_chunk_hashes(self.config.chunk_size), n,
+                                                              inst.layout, skip_first_n_tokens):
+                    if obj is None:
+                        skipped += count
+                        continue
+                    reserved.append((obj, count))
+                    objects.append([obj.offset, obj.nbytes, count, start])
+            except StoreFull as exc:
+                full = str(exc)  # reserve what fits, from the prompt's start; the rest is not stored
             with self._lock:
                 rid = self._next_reservation
                 self._next_reservation += 1
