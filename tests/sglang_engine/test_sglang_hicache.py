@@ -57,6 +57,7 @@ def test_storage_hits_equal_a_run_without_kvstrata_and_fresh_engines_in_other_la
     record = read_record(writer_record)
     assert any(e["event"] == "stored" for e in record), "the writer stored nothing in kvstrata"
     assert len(storage_loads(record)) >= 12, storage_loads(record)
+    assert {e["located_by"] for e in storage_loads(record)} == {"lookup"}, "every page load starts from its LOOKUP"
     assert "test-only HiCache CPU replacements installed" in writer["log"]
 
     pf_record = tmp / "hicache-page-first.jsonl"

@@ -79,6 +79,8 @@ def test_loaded_prompts_equal_a_run_without_kvstrata_alone_batched_and_extended(
     assert_same(steps[7][0], base["P3"], "P3, extending the cached P1")
     loads = {e["request_id"]: e["tokens"] for e in record if e["event"] == "load_started"}
     assert loads["hit-p1"] == 192 and loads["hit-p3"] == 192, loads  # P1's 12 whole pages, in both
+    located = {e["request_id"]: e["located_by"] for e in record if e["event"] == "load_started"}
+    assert set(located.values()) == {"lookup"}, f"a load asked RETRIEVE where its LOOKUP had located it: {located}"
     assert loads["hit-b1"] == 192 and loads["hit-b2"] == 144, loads
     batch = [e for e in record if e["event"] == "load_started" and e["request_id"] in ("hit-b1", "hit-b2")]
     # one start_layer_wise_loading for both: their loads went out together, before either settled
