@@ -31,8 +31,9 @@ COUNTERS = {
     "lookup_miss_tokens": "Tokens LOOKUPs asked for and did not find",
     "stored_bytes": "KV bytes STOREd into L1 (chunks already held are skipped)",
     "stored_tokens": "Tokens STOREd into L1",
-    "retrieved_bytes": "KV bytes RETRIEVEd into engine caches",
-    "retrieved_tokens": "Tokens RETRIEVEd into engine caches",
+    "retrieved_bytes": "KV bytes RETRIEVEd into engine caches (worker-placement loads located by their LOOKUP "
+                       "send no RETRIEVE: the engine's own stats count them)",
+    "retrieved_tokens": "Tokens RETRIEVEd into engine caches (not worker-placement loads located by their LOOKUP)",
 }
 HISTOGRAMS = {"retrieve_seconds": "RETRIEVE time in the server, to its reply",
               "store_seconds": "STORE time in the server, to its reply"}
