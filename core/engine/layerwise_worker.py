@@ -200,7 +200,8 @@ class LayerwiseWorker:
                 planner.log_fallback_once(reason)
                 record.fallback, width = reason, 0
         if self.placement == PLACEMENT_WORKER:
-            # The RETRIEVE goes out from this (the engine's) thread: the queue's thread only waits for its reply.
+            # Where the chunks lie comes with the LOOKUP, or from a RETRIEVE sent from this (the engine's) thread:
+            # the queue's thread only waits for the answer.
             try:
                 self.layout.check_block_ids(blocks, key.num_tokens)
                 reply = self._locate(key, blocks, skip_first_n_tokens, located, record)
