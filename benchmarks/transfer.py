@@ -341,6 +341,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
             def prompt() -> list[int]:
                 return torch.randint(0, 32000, (tokens,), generator=gen).tolist()
 
+            store_steps: list[dict[str, float]] = []
+
             def store(p: list[int], rid: str) -> float:
                 # the key is built before the clock starts, as for a retrieve: the engine
                 # has its prompt's key before it asks for any transfer
@@ -348,6 +350,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 t0 = time.perf_counter()
                 if placement == "worker":  # engine-executed: RESERVE_STORE, this process's copies, COMMIT_STORE
                     r = worker.store_to_pool(key, [src])
+                    st = worker.last_store
+                    store_steps.append({"reserve_ms": (st.reserved_at - st.started_at) * 1e3,
+                                        "copy_ms": (st.copied_at - st.reserved_at) * 1e3,
+                                        "commit_ms": (st.committed_at - st.copied_at) * 1e3})
                 else:
                     r = client.store(key, 0, [src], event_handle=backend.store_event_handle())
                 ms = (time.perf_counter() - t0) * 1e3
@@ -423,8 +429,11 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     res[str(width)]["gpu_overhead_vs_chunk_major_ms"] = stats(
                         [r["gpu_complete_ms"] - c["gpu_complete_ms"] for r, c in zip(rows, runs[0])])
             out["retrieve"] = res
+            store_steps.clear()
             store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
             out["store_ms"] = stats(store_ms)
+            if store_steps:  # engine-executed: where the store's time went (the first, warm-up store left out)
+                out["store_steps_ms"] = {k: stats([s[k] for s in store_steps[1:]]) for k in store_steps[0]}
         finally:
             if worker is not storer:
                 worker.close()
@@ -628,7 +637,11 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                     for c, v in ip["cta_sweep"].items()))
     for name, sv in result.items():
         if name.startswith("server_") or name.startswith("engine_executed") and "retrieve" in sv:
-            print(f"[{name}] store {sv['store_ms']['median']:.3f} ms; verified {sv.get('verified')}")
+            steps = sv.get("store_steps_ms")
+            print(f"[{name}] store {sv['store_ms']['median']:.3f} ms"
+                  + (" (RESERVE_STORE {:.3f}, copies {:.3f}, COMMIT_STORE {:.3f})".format(
+                      *(steps[k]["median"] for k in ("reserve_ms", "copy_ms", "commit_ms"))) if steps else "")
+                  + f"; verified {sv.get('verified')}")
             print("  width  release_ms  complete_ms  overhead_ms  gpu_first_ms  gpu_complete_ms")
             for w, r in sv["retrieve"].items():
                 ov = r.get("overhead_vs_chunk_major_ms", {}).get("median", 0.0)

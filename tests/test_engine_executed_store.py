@@ -42,6 +42,8 @@ def test_a_committed_store_is_found_and_loads_byte_exact(client, worker):
     src = computed(engine, prompt)
     reply = w.store_to_pool(CacheKey.for_tokens("s1", prompt, model="m"), [src])
     assert reply == {"stored_tokens": TOKENS, "skipped_tokens": 0}
+    st = w.last_store  # the store's way through its steps, for benchmarks/transfer.py
+    assert st.request_id == "s1" and st.started_at <= st.reserved_at <= st.copied_at <= st.committed_at
     again = w.store_to_pool(CacheKey.for_tokens("s1b", prompt, model="m"), [src])
     assert again == {"stored_tokens": 0, "skipped_tokens": TOKENS}, "what is stored is skipped"
     key, dst = lookup_into_fresh_blocks(client, engine, "l1", prompt)

@@ -75,6 +75,21 @@ class RetrieveRecord:
 
 
 @dataclass
+class StoreRecord:
+    """When the steps of this process's last worker-placement STORE ended (``time.perf_counter()``), for
+    benchmarks and logs: where a store's time goes beyond its copies."""
+
+    request_id: str
+    started_at: float
+    reserved_at: float | None = None
+    """RESERVE_STORE answered."""
+    copied_at: float | None = None
+    """The copies into the reserved objects had run."""
+    committed_at: float | None = None
+    """COMMIT_STORE answered."""
+
+
+@dataclass
 class _InFlight:
     request_id: str
     block_ids: list[list[int]]
@@ -131,6 +146,8 @@ class LayerwiseWorker:
         self._drained: set[str] = set()
         self._registration_lost = False
         self.records: dict[str, RetrieveRecord] = {}
+        self.last_store: StoreRecord | None = None
+        """Worker placement: the steps of the last :meth:`store_to_pool`."""
         self._lock = threading.RLock()
         self._l1_pool: Segment | None = None
         self._l1_tensor: torch.Tensor | None = None
@@ -304,7 +321,9 @@ class LayerwiseWorker:
             raise RuntimeError("store_to_pool needs worker placement with pool_writable=True")
         blocks = [list(map(int, g)) for g in block_ids]
         self.layout.check_block_ids(blocks, key.num_tokens)
+        record = self.last_store = StoreRecord(key.request_id, time.perf_counter())
         reply = self.client.reserve_store(key, self.instance_id, skip_first_n_tokens)
+        record.reserved_at = time.perf_counter()
         landed = False
         try:
             if reply["objects"]:
@@ -312,8 +331,10 @@ class LayerwiseWorker:
                 spans = [(int(off), int(tokens), int(start)) for off, _, tokens, start in reply["objects"]]
                 copier.finish(copier.gather(spans, blocks))
             landed = True
+            record.copied_at = time.perf_counter()
         finally:
             committed = self.client.commit_store(int(reply["reservation"]), landed)
+            record.committed_at = time.perf_counter()
         if reply.get("full"):
             log.warning("STORE of %s kept %d tokens: %s", key.request_id, committed["stored_tokens"], reply["full"])
         return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
