@@ -61,8 +61,8 @@ _MAX_VEC = 16
 
 
 ENGINE_COPY_PRIORITY = 0
-"""The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, not the highest (-1), so its
-scatter kernels do not pre-empt the engine's compute (measured: see the class)."""
+"""The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, not the highest (-1), which
+measured slower first tokens with the engine computing (see the class)."""
 
 NO_DIRECT_COPIES = 1 << 62
 """A ``direct_copy_min_run`` no run reaches: always stage."""
@@ -865,9 +865,9 @@ class CudaLocalCopier:
     process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait makes the
     engine's stream wait on it, and the CPU never blocks on a copy.
 
-    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`). At the highest priority the scatter
-    kernels pre-empt the engine's compute kernels and the layers computed while later ones still copy take
-    longer; with the engine computing, first-token time was shorter at normal priority in 19 of 24 cells of
+    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`). At the highest priority the layers
+    the engine computes while later ones still copy take longer (likely: the scatter kernels pre-empting its
+    compute kernels; not profiled); with the engine computing, first-token time was shorter at normal priority in 19 of 24 cells of
     two H200 runs (vLLM and SGLang formats by 0.1-2.3 ms at one request and 3.9-6.8 ms at four; TensorRT-LLM's
     within -0.5/+0.9 ms at one request, +1.7 and -0.8 ms at four), ``benchmarks/results/
     h200-2026-12-02-session8`` runs 6-7.
