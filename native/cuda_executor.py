@@ -867,10 +867,10 @@ class CudaLocalCopier:
 
     The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`). At the highest priority the layers
     the engine computes while later ones still copy take longer (likely: the scatter kernels pre-empting its
-    compute kernels; not profiled); with the engine computing, first-token time was shorter at normal priority in 19 of 24 cells of
-    two H200 runs (vLLM and SGLang formats by 0.1-2.3 ms at one request and 3.9-6.8 ms at four; TensorRT-LLM's
-    within -0.5/+0.9 ms at one request, +1.7 and -0.8 ms at four), ``benchmarks/results/
-    h200-2026-12-02-session8`` runs 6-7.
+    compute kernels; not profiled). With the engine computing, first-token time was shorter at normal
+    priority in 19 of 24 cells of two H200 runs (vLLM and SGLang formats by 0.1-2.3 ms at one request and
+    3.9-6.8 ms at four; TensorRT-LLM's within -0.5/+0.9 ms at one request, +1.7 and -0.8 ms at four),
+    ``benchmarks/results/h200-2026-12-02-session8`` runs 6-7.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
