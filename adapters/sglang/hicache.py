@@ -110,14 +110,6 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 self._end_session(o)
             return [None] * len(keys)
 
-    def _located_here(self, reply: dict[str, Any]) -> tuple[ChunkLocations | None, ...] | None:
-        """``LoadSpec.located`` (one entry per rank) for a page this rank looked up: where its one object lies."""
-        located = ChunkLocations.from_lookup_reply(reply)
-        if located is None:
-            return None
-        located = located.covering(self.page_size)
-        return located.only_on_rank(self.rank, self.world_size) if located is not None else None
-
     def _end_session(self, owner: str) -> None:
         owner = lock_owner(owner, self.rank, self.world_size)
         try:
@@ -161,7 +153,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         replies = self._lookups(owners, keys)
         held = [r is not None for r in replies]
         specs = [LoadSpec(o, o, b"", None, ((b,),), 0, 0, (h,), self.page_size,
-                          located=self._located_here(r))
+                          located=ChunkLocations.for_rank(r, self.page_size, self.rank, self.world_size))
                  for o, h, b, r in zip(owners, keys, blocks, replies, strict=True) if r is not None]
         for o, ok in zip(owners, held, strict=True):
             if not ok:

@@ -107,7 +107,11 @@ class LayerLoader:
     def _lookup_pages(self, request_id: str, page_hashes: Sequence[str]) -> int | None:
         """Whole pages of ``page_hashes`` the server holds, locked for ``request_id``; None if it did not answer."""
         reply = self._lookup(request_id, page_hashes)
-        return None if reply is None else min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
+        return None if reply is None else self._whole_pages(reply, page_hashes)
+
+    def _whole_pages(self, reply: dict[str, Any], page_hashes: Sequence[str]) -> int:
+        """Whole pages of ``page_hashes`` a LOOKUP reply says the server holds."""
+        return min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
 
     def _lookup(self, request_id: str, page_hashes: Sequence[str]) -> dict[str, Any] | None:
         """The LOOKUP's reply for ``page_hashes`` (its hit locked for ``request_id``); None if it did not answer."""
@@ -179,18 +183,17 @@ class LayerLoader:
                         len(page_hashes))
             return False
         reply = self._lookup(request_id, page_hashes)  # locks the chunks for the load
-        pages = None if reply is None else min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
+        pages = None if reply is None else self._whole_pages(reply, page_hashes)
         if pages != len(page_hashes):
             log.info("load for %s refused: the server holds %s of its %d pages now (evicted since the lookup?)",
                      request_id, pages, len(page_hashes))
             self._end_session(request_id)
             return False
-        located = ChunkLocations.from_lookup_reply(reply)
-        located = located.covering(pages * self.page_size) if located is not None else None
         r = self.runtime
-        self._queued[request_id] = LoadSpec(request_id, request_id, b"", None, (tuple(blocks),), 0,
-                                            self.settings.layers_per_stage, tuple(page_hashes), self.page_size,
-                                            located=located.only_on_rank(r.rank, r.world_size) if located else None)
+        self._queued[request_id] = LoadSpec(
+            request_id, request_id, b"", None, (tuple(blocks),), 0, self.settings.layers_per_stage,
+            tuple(page_hashes), self.page_size,
+            located=ChunkLocations.for_rank(reply, pages * self.page_size, r.rank, r.world_size))
         return True
 
     def cancel(self, request_id: str) -> bool:

@@ -252,15 +252,14 @@ class LayerwiseWorker:
         """Worker placement: where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its
         objects fit this cache, else from a RETRIEVE (sent now, from the engine's thread)."""
         if located is not None:
-            if located.shape == self.layout.shape_signature() and \
-                    sum(t for _, _, t in located.objects) == key.num_tokens:
+            if located.shape == self.layout.shape_signature() and located.num_tokens == key.num_tokens:
                 record.located_by = "lookup"
                 reply: Future = Future()
                 reply.set_result(located.as_retrieve_reply())
                 return reply
             log.info("request %s: the LOOKUP's chunks (shape %s, %d tokens) do not fit this cache (shape %s, "
-                     "%d tokens); asking RETRIEVE", record.request_id, located.shape,
-                     sum(t for _, _, t in located.objects), self.layout.shape_signature(), key.num_tokens)
+                     "%d tokens); asking RETRIEVE", record.request_id, located.shape, located.num_tokens,
+                     self.layout.shape_signature(), key.num_tokens)
         record.located_by = "retrieve"
         return self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
 

@@ -58,6 +58,10 @@ class ChunkLocations:
                    tuple(int(x) for x in located["shape"]),  # type: ignore[arg-type]
                    tuple((int(o), int(n), int(t)) for o, n, t in located["objects"]))
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(tokens for _, _, tokens in self.objects)
+
     def covering(self, num_tokens: int) -> "ChunkLocations | None":
         """The leading objects that hold exactly the first ``num_tokens`` tokens; ``None`` if no prefix does
         (the load then asks RETRIEVE, which locates the chunks its key names)."""
@@ -71,6 +75,15 @@ class ChunkLocations:
     def only_on_rank(self, rank: int, world_size: int) -> tuple["ChunkLocations | None", ...]:
         """``LoadSpec.located`` for a load one rank looked up itself: these for ``rank``, nothing for the rest."""
         return tuple(self if r == rank else None for r in range(world_size))
+
+    @classmethod
+    def for_rank(cls, reply: dict[str, Any], num_tokens: int, rank: int,
+                 world_size: int) -> tuple["ChunkLocations | None", ...] | None:
+        """``LoadSpec.located`` for a load of the first ``num_tokens`` tokens that ``rank`` looked up itself
+        (SGLang's loaders); ``None`` where the reply's locations cannot serve it (RETRIEVE then locates)."""
+        located = cls.from_lookup_reply(reply)
+        located = located.covering(num_tokens) if located is not None else None
+        return located.only_on_rank(rank, world_size) if located is not None else None
 
     def as_retrieve_reply(self) -> dict[str, Any]:
         """The part of a worker-placement RETRIEVE reply these stand for: the pool and the objects."""
