@@ -31,7 +31,7 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
     require(not bad_frames, "retrieve-payload",
             f"the adapter sent frames the protocol cannot decode: {[f.decode_error for f in bad_frames]}")
     if rig.placement != PLACEMENT_SERVER:
-        started = [e for e in rig.record() if e["event"] == "load_started" and e["request_id"] == r.request_id]
+        started = rig.loads_started(r)
         by_lookup = bool(started) and started[0].get("located_by") == "lookup"
         how = "its LOOKUP" if by_lookup else "RETRIEVE"
         require(len(sent) == (0 if by_lookup else 1), "retrieve-payload",
@@ -86,8 +86,7 @@ def check_recorded_width(rig: Rig, r: Retrieval, expect_width: int | None) -> No
     """Worker placement: the width the engine side's record shows the load ran at is ``expect_width``."""
     if expect_width is None:
         return
-    asked = [e["layers_per_stage"] for e in rig.record()
-             if e["event"] == "load_started" and e["request_id"] == r.request_id]
+    asked = [e["layers_per_stage"] for e in rig.loads_started(r)]
     ran = 0 if rig.fallbacks(r) else (asked[0] if asked else None)
     require(ran == expect_width, "retrieve-payload",
             f"the load of {r.request_id} was to run at width {expect_width}; the engine side's record "
@@ -120,7 +119,7 @@ def catch_in_flight(rig: Rig, prompt: list[int]) -> tuple[Retrieval, int]:
                 f"the layer-major RETRIEVE of {r.request_id} named no readable arrival board")
         landed = progress.layers
     else:
-        started = [e for e in rig.record() if e["event"] == "load_started" and e["request_id"] == r.request_id]
+        started = rig.loads_started(r)
         if started and started[0]["layers_per_stage"] > 0:
             landed = min(started[0]["layers_per_stage"], n)
     if not released:

@@ -353,6 +353,10 @@ class Rig:
         """Request id -> reason, for every load the runtime recorded as failed."""
         return {e["request_id"]: e["reason"] for e in self.record() if e["event"] == "load_failed"}
 
+    def loads_started(self, r: Retrieval) -> list[dict[str, Any]]:
+        """The runtime's ``load_started`` events for ``r`` (one per load it started)."""
+        return [e for e in self.record() if e["event"] == "load_started" and e["request_id"] == r.request_id]
+
     def fallbacks(self, r: Retrieval) -> list[str]:
         """The fallback reasons the runtime recorded for ``r`` when it settled."""
         return [e["fallback"] for e in self.record()
