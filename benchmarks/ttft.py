@@ -64,12 +64,17 @@ LOCATE_SUFFIX = "-retrieve"
 the LOOKUP's reply."""
 
 
+def split_suffix(placement: str, suffixes: dict[str, Any]) -> tuple[str, Any]:
+    """(the placement without the one of ``suffixes`` it ends with, that suffix's value), or (it, None)."""
+    for suffix, value in suffixes.items():
+        if placement.endswith(suffix):
+            return placement.removesuffix(suffix), value
+    return placement, None
+
+
 def ring_setting(placement: str) -> tuple[str, bool | None]:
     """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
-    for suffix, rings in RING_SUFFIXES.items():
-        if placement.endswith(suffix):
-            return placement.removesuffix(suffix), rings
-    return placement, None
+    return split_suffix(placement, RING_SUFFIXES)
 
 
 def scatter_ctas(placement: str) -> tuple[str, int | None]:
@@ -85,10 +90,7 @@ PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
 
 def copy_priority(placement: str) -> tuple[str, int | None]:
     """(the placement without a priority suffix, the copier's stream priority, or None for its default)."""
-    for suffix, priority in PRIORITY_SUFFIXES.items():
-        if placement.endswith(suffix):
-            return placement.removesuffix(suffix), priority
-    return placement, None
+    return split_suffix(placement, PRIORITY_SUFFIXES)
 
 
 def locates_by_lookup(placement: str) -> bool:

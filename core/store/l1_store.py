@@ -9,9 +9,9 @@ locks, never the bytes' meaning beyond the shape signature.
 Locks: LOOKUP read-locks the chunks it reports for that request, so they cannot
 be evicted or moved between LOOKUP and RETRIEVE, or, in worker placement, until
 the engine's own copy from the offsets the LOOKUP reported is done. RETRIEVE
-(server placement), FREE_LOOKUP_LOCKS and END_SESSION release them. A STORE that cannot find room after evicting every
-unlocked object fails with :class:`StoreFull`; it never overwrites a locked
-object.
+(server placement), FREE_LOOKUP_LOCKS and END_SESSION release them. A STORE
+that cannot find room after evicting every unlocked object fails with
+:class:`StoreFull`; it never overwrites a locked object.
 """
 
 from __future__ import annotations
