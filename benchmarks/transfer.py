@@ -352,6 +352,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     r = worker.store_to_pool(key, [src])
                     st = worker.last_store
                     store_steps.append({"reserve_ms": (st.reserved_at - st.started_at) * 1e3,
+                                        "enqueue_ms": (st.enqueued_at - st.reserved_at) * 1e3,
                                         "copy_ms": (st.copied_at - st.reserved_at) * 1e3,
                                         "commit_ms": (st.committed_at - st.copied_at) * 1e3})
                 else:
@@ -639,8 +640,9 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
         if name.startswith("server_") or name.startswith("engine_executed") and "retrieve" in sv:
             steps = sv.get("store_steps_ms")
             print(f"[{name}] store {sv['store_ms']['median']:.3f} ms"
-                  + (" (RESERVE_STORE {:.3f}, copies {:.3f}, COMMIT_STORE {:.3f})".format(
-                      *(steps[k]["median"] for k in ("reserve_ms", "copy_ms", "commit_ms"))) if steps else "")
+                  + (" (RESERVE_STORE {:.3f}, copies {:.3f} of which enqueued in {:.3f}, COMMIT_STORE {:.3f})".format(
+                      *(steps[k]["median"] for k in ("reserve_ms", "copy_ms", "enqueue_ms", "commit_ms")))
+                     if steps else "")
                   + f"; verified {sv.get('verified')}")
             print("  width  release_ms  complete_ms  overhead_ms  gpu_first_ms  gpu_complete_ms")
             for w, r in sv["retrieve"].items():

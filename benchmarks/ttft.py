@@ -244,7 +244,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.cuda_executor import NO_DIRECT_COPIES, CudaTransferConfig
+    from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
     from kvstrata.native.gpu_caches import GpuKVCache
 
     nb = prefix // s.block
@@ -259,7 +259,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         base, ctas = scatter_ctas(base)
         base, rings = ring_setting(base)
         config = None if ctas is None and priority is None else CudaTransferConfig(
-            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=priority)
+            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
+            stream_priority=ENGINE_COPY_PRIORITY if priority is None else priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
         arm_client = client

@@ -82,9 +82,9 @@ class CudaTransferConfig:
     direct_copy_min_run: int = 256 << 10
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this
     (``NO_DIRECT_COPIES``: never)."""
-    stream_priority: int | None = None
-    """Of the copy and kernel streams (lower is higher; -1 is the highest); None: the user's default (0, normal,
-    for a server's and an engine's own copies)."""
+    stream_priority: int = 0
+    """Of the copy and kernel streams (lower is higher; -1 is the highest). Normal (0) for a server's copies and
+    for an engine's own (:data:`ENGINE_COPY_PRIORITY`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -258,11 +258,8 @@ class CudaTransferEngine:
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor | None,
-                 device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False,
-                 stream_priority: int = 0) -> None:
-        """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1).
-        ``stream_priority``: of the copy and kernel streams (lower is higher; see :data:`ENGINE_COPY_PRIORITY`
-        for an engine's own copies)."""
+                 device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False) -> None:
+        """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1)."""
         self.layout = layout
         self.config = config or CudaTransferConfig()
         self.index = device_index
@@ -285,10 +282,9 @@ class CudaTransferEngine:
             dev_base = pin_pool(self.pool, device_index, self.ext, read_only=pool_read_only)
             self._pool_range = (self.pool.data_ptr(), self.pool.numel(), dev_base)
         with torch.cuda.device(device_index):
-            if self.config.stream_priority is not None:
-                stream_priority = self.config.stream_priority
-            self.stream = torch.cuda.Stream(device_index, priority=stream_priority)
-            self.copy_stream = torch.cuda.Stream(device_index, priority=stream_priority) \
+            priority = self.config.stream_priority
+            self.stream = torch.cuda.Stream(device_index, priority=priority)
+            self.copy_stream = torch.cuda.Stream(device_index, priority=priority) \
                 if self.config.mode == "staged" else None
         L, kv = layout.num_layers, layout.kv_size
         addrs = [self.regions[r].data_ptr() + off for per_kv in layout.offsets for (r, off) in per_kv]
@@ -883,10 +879,9 @@ class CudaLocalCopier:
         buffers: 45.4 ms direct against 39.3 ms staged; first token 78.0 against 72.0 ms at 1,024 new tokens,
         ``benchmarks/ttft_direct_copy_ab.sh``)."""
         t0 = time.perf_counter()
-        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES)
+        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
         self.pool = pool
-        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable,
-                                         stream_priority=ENGINE_COPY_PRIORITY)
+        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
         self.register_s = time.perf_counter() - t0
         log.info("engine-executed %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
                  "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,

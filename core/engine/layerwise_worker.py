@@ -83,6 +83,8 @@ class StoreRecord:
     started_at: float
     reserved_at: float | None = None
     """RESERVE_STORE answered."""
+    enqueued_at: float | None = None
+    """This process had enqueued the copies into the reserved objects (host time; they run after)."""
     copied_at: float | None = None
     """The copies into the reserved objects had run."""
     committed_at: float | None = None
@@ -328,7 +330,9 @@ class LayerwiseWorker:
             if reply["objects"]:
                 copier = self._copier_for(reply["pool"])
                 spans = [(int(off), int(tokens), int(start)) for off, _, tokens, start in reply["objects"]]
-                copier.finish(copier.gather(spans, blocks))
+                done = copier.gather(spans, blocks)
+                record.enqueued_at = time.perf_counter()
+                copier.finish(done)
             landed = True
             record.copied_at = time.perf_counter()
         finally:
