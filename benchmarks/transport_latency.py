@@ -47,11 +47,13 @@ while True:
 
 _SERVER = """
 import sys, time
-from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
+from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
 from kvstrata.core.wire.transport import Server
 s = Server(sys.argv[1], transfer_threads=4)
 for rt, decl in DECLARATIONS.items():
-    names = ", ".join(f"a{i}" for i in range(decl.arity))
+    if rt in TRANSPORT_REQUESTS:
+        continue
+    names = ", ".join(item.name for item in decl.items)  # the server checks them against the declaration
     scope = {"time": time}
     exec(f"def h({names}):\\n    return time.perf_counter()", scope)
     s.register(rt, scope["h"])
