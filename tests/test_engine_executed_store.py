@@ -166,3 +166,81 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
             area.close()
             engine.close()
 
+
+
+def test_a_store_reserved_ahead_of_the_forward_copies_into_that_reservation(client, worker):
+    """An engine with a step API reserves before the forward (the round trip overlaps it), stores after."""
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=47)
+    key = CacheKey.for_tokens("s7", prompt, model="m")
+    ahead = w.reserve_store(key)
+    src = computed(engine, prompt)  # the forward that computes the blocks, while the reservation is made
+    assert client.lookup(CacheKey.for_tokens("peek7", prompt, model="m")) == 0, "a reservation is not a hit"
+    assert w.store_to_pool(key, [src], reservation=ahead) == {"stored_tokens": TOKENS, "skipped_tokens": 0}
+    assert w.last_store.reserved_ahead
+    dst_key, dst = lookup_into_fresh_blocks(client, engine, "l7", prompt)
+    w.submit_retrieve("l7", dst_key, [dst], layers_per_stage=2)
+    engine_loop(w, "l7", SMALL_32.num_layers)
+    assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+
+
+def test_a_reservation_no_store_uses_is_given_back(client, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=48)
+    free_before = client.server_info()["l1"]["free_bytes"]
+    w.drop_reservation(w.reserve_store(CacheKey.for_tokens("s8", prompt, model="m")))
+    assert client.server_info()["l1"]["free_bytes"] == free_before
+    src = computed(engine, prompt)
+    assert w.store_to_pool(CacheKey.for_tokens("s8b", prompt, model="m"), [src]) == \
+        {"stored_tokens": TOKENS, "skipped_tokens": 0}, "nothing of the dropped reservation is left"
+
+
+def test_block_ids_that_do_not_fit_refuse_a_store_reserved_ahead_and_give_its_objects_back(client, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=49)
+    key = CacheKey.for_tokens("s9", prompt, model="m")
+    free_before = client.server_info()["l1"]["free_bytes"]
+    ahead = w.reserve_store(key)
+    with pytest.raises(ValueError):
+        w.store_to_pool(key, [[engine.layout.num_blocks + 5] * (TOKENS // 16)], reservation=ahead)
+    assert client.server_info()["l1"]["free_bytes"] == free_before
+    assert client.lookup(CacheKey.for_tokens("peek9", prompt, model="m")) == 0
+
+
+def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(server, client, tmp_path):
+    """``WorkerRuntime.reserve_stores`` at step start, ``store`` after the forward: the store uses the
+    reservation; one made again for the same request replaces the first, and ``close`` gives back the rest."""
+    from kvstrata.adapters import reference
+    from kvstrata.core.adapter_api.plugins import load_adapter
+    from kvstrata.core.adapter_api.types import HarnessSpec
+    from kvstrata.core.engine.requests import StoreSpec
+    from kvstrata.core.engine.settings import RuntimeSettings
+    from kvstrata.core.engine.worker_runtime import WorkerRuntime
+    from kvstrata.core.store.keys import pack_tokens
+
+    settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, instance_id=720,
+                               record_path=str(tmp_path / "r.jsonl"))
+    cache = reference.ReferenceCache(HarnessSpec(num_layers=4, num_blocks=48, block_size=16))
+    runtime = WorkerRuntime(load_adapter("reference"), settings, model="ahead")
+    try:
+        runtime.register(cache.kv_caches)
+        free_before = client.server_info()["l1"]["free_bytes"]
+        prompt = random_prompt(TOKENS, seed=50)
+        src = cache.allocate(len(prompt))
+        spec = StoreSpec("s10", pack_tokens(prompt), None,
+                         (tuple(src[0]),), 0)
+        runtime.reserve_stores([spec])
+        cache.prefill(prompt, src)  # the forward
+        runtime.store([spec])
+        assert runtime.transfers.last_store.reserved_ahead and runtime.transfers.last_store.request_id == "s10"
+        assert client.lookup(CacheKey.for_tokens("peek10", prompt, model="ahead")) == TOKENS
+        stored = client.server_info()["l1"]["free_bytes"]
+        other = StoreSpec("s11", pack_tokens(random_prompt(TOKENS, seed=51)), None, (tuple(src[0]),), 0)
+        runtime.reserve_stores([other])
+        runtime.reserve_stores([other])  # planned again: the first reservation goes back, the second holds it
+        assert runtime._reservations["s11"][1].result(timeout=20)["objects"]
+        assert client.server_info()["l1"]["free_bytes"] == stored - (free_before - stored), "one reservation held"
+    finally:
+        runtime.close()
+        cache.close()
+    assert client.server_info()["l1"]["free_bytes"] == stored, "close gave back the reservation no store used"

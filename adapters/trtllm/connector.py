@@ -236,7 +236,8 @@ class KvstrataWorker(_WorkerBase):
         return meta
 
     def start_load_kv(self, stream: Any) -> None:
-        """Before the forward: start this iteration's loads, after what ``stream`` already has queued.
+        """Before the forward: reserve this iteration's stores' objects (worker placement: the round trip runs
+        during the forward) and start its loads, after what ``stream`` already has queued.
 
         The blocks may still be read by the previous iteration's forward (the overlap loop enqueues this
         iteration while that one runs), and kvstrata's copies run on their own streams, which take no engine
@@ -244,6 +245,7 @@ class KvstrataWorker(_WorkerBase):
         work queued before, never a transfer). On CPU the previous forward has returned: nothing to order.
         """
         meta = self._meta()
+        self.runtime.reserve_stores(meta.stores)
         if not meta.loads:
             return
         if self._cuda and stream is not None:

@@ -222,11 +222,13 @@ class KvstrataConnector(KVConnectorBase_V1):
             self.worker_runtime.settle(kv_connector_metadata.preempted)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, every step before the forward: start this step's loads."""
+        """Worker, every step before the forward: start this step's loads, and reserve the objects of the
+        stores ``wait_for_save`` will make (worker placement: that round trip then runs during the forward)."""
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KvstrataMetadata):
             raise TypeError(f"kvstrata's connector got {type(connector_metadata).__name__} metadata")
         self.worker_runtime.start_loads(connector_metadata.loads)
+        self.worker_runtime.reserve_stores(connector_metadata.stores)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Worker, every step: nothing to do, the loads started in ``bind_connector_metadata``."""

@@ -81,8 +81,10 @@ class StoreRecord:
 
     request_id: str
     started_at: float
+    reserved_ahead: bool = False
+    """RESERVE_STORE was sent before the store began (:meth:`LayerwiseWorker.reserve_store`)."""
     reserved_at: float | None = None
-    """RESERVE_STORE answered."""
+    """RESERVE_STORE's reply was in hand."""
     enqueued_at: float | None = None
     """This process had enqueued the copies into the reserved objects (host time; they run after)."""
     copied_at: float | None = None
@@ -309,11 +311,28 @@ class LayerwiseWorker:
             self._l1_tensor, self._l1_pool = tensor, seg
         return self._l1_tensor
 
-    def store_to_pool(self, key: CacheKey, block_ids: Sequence[Sequence[int]],
-                      skip_first_n_tokens: int = 0) -> dict[str, Any]:
-        """Worker placement STORE: RESERVE_STORE the chunks not stored yet, copy the blocks into those
-        objects with this process's copier, then COMMIT_STORE once the copies have landed (or drop the
-        reservation if they failed: a half-written object is never committed).
+    def reserve_store(self, key: CacheKey, skip_first_n_tokens: int = 0) -> Future:
+        """Worker placement, before the forward that computes ``key``'s blocks: send RESERVE_STORE now, so its
+        round trip runs while the engine computes. Returns at once; pass the future to :meth:`store_to_pool`
+        (``reservation=``), or to :meth:`drop_reservation` if the store will not happen."""
+        if self.placement != PLACEMENT_WORKER or not self.pool_writable:
+            raise RuntimeError("reserve_store needs worker placement with pool_writable=True")
+        return self.client.reserve_store_async(key, self.instance_id, skip_first_n_tokens)
+
+    def drop_reservation(self, reservation: Future) -> None:
+        """Give back the objects of a reservation no store will copy into (bounded; a failed one held none)."""
+        try:
+            reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
+            self.client.commit_store(int(reply["reservation"]), False)
+        except Exception as exc:  # the server is gone (it dropped the reservation) or refused it: nothing held
+            log.debug("dropping a store reservation: %s", exc)
+
+    def store_to_pool(self, key: CacheKey, block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int = 0, *,
+                      reservation: Future | None = None) -> dict[str, Any]:
+        """Worker placement STORE: RESERVE_STORE the chunks not stored yet (unless ``reservation``, from
+        :meth:`reserve_store` for the same key and skip, already asked), copy the blocks into those objects
+        with this process's copier, then COMMIT_STORE once the copies have landed (or drop the reservation if
+        they failed: a half-written object is never committed).
 
         Blocks the calling thread until the copies have run. On a GPU they run on this process's copy
         streams after the work the engine has queued so far; the engine's own stream never waits for them.
@@ -321,9 +340,18 @@ class LayerwiseWorker:
         if self.placement != PLACEMENT_WORKER or not self.pool_writable:
             raise RuntimeError("store_to_pool needs worker placement with pool_writable=True")
         blocks = [list(map(int, g)) for g in block_ids]
-        self.layout.check_block_ids(blocks, key.num_tokens)
-        record = self.last_store = StoreRecord(key.request_id, time.perf_counter())
-        reply = self.client.reserve_store(key, self.instance_id, skip_first_n_tokens)
+        try:
+            self.layout.check_block_ids(blocks, key.num_tokens)
+        except ValueError:
+            if reservation is not None:
+                self.drop_reservation(reservation)
+            raise
+        record = self.last_store = StoreRecord(key.request_id, time.perf_counter(),
+                                               reserved_ahead=reservation is not None)
+        if reservation is None:
+            reply = self.client.reserve_store(key, self.instance_id, skip_first_n_tokens)
+        else:
+            reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
         record.reserved_at = time.perf_counter()
         landed = False
         try:

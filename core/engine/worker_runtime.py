@@ -4,7 +4,9 @@ One :class:`WorkerRuntime` per engine worker process (one per tensor-parallel
 rank), called from the engine's model-runner thread:
 
 * :meth:`register` once, when the engine has allocated its cache;
-* :meth:`start_loads` every step, with the loads the scheduler side planned;
+* :meth:`start_loads` every step, with the loads the scheduler side planned,
+  and :meth:`reserve_stores` with the stores it planned (worker placement
+  reserves their objects while the forward runs);
 * :meth:`wait_for_layer` right before the engine's attention reads a layer;
 * :meth:`poll` every step after the forward: which requests go back to the
   engine's scheduler now (first slice landed), and which finished requests'
@@ -23,7 +25,9 @@ runtime reconnects (and registers again) at most every
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Iterable
 
 from kvstrata.core.adapter_api.plugins import Adapter
@@ -33,6 +37,7 @@ from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.record import EventRecord
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 from kvstrata.core.engine.registration_area import RegistrationArea
@@ -70,6 +75,9 @@ class WorkerRuntime:
         self._unloadable: dict[str, tuple[list[list[int]], str]] = {}
         self._failure_reports: list[Any] = []
         self._next_connect = 0.0
+        self._reservations: dict[str, tuple[CacheKey, Future]] = {}
+        """Worker placement: RESERVE_STOREs sent ahead of their stores (:meth:`reserve_stores`), by request id."""
+        self._reservations_lock = threading.Lock()  # the engine's thread reserves, a store thread may store
         self.stats = StatsAccumulator()
         """Engine-side numbers (see :mod:`kvstrata.core.engine.stats`)."""
 
@@ -314,6 +322,29 @@ class WorkerRuntime:
 
     # --- stores ------------------------------------------------------------------------
 
+    def reserve_stores(self, stores: Iterable[StoreSpec]) -> None:
+        """Before the forward that computes these prompts: in worker placement, send their RESERVE_STOREs now
+        and return at once, so the round trip runs during the forward and :meth:`store` only copies and
+        commits. Elsewhere (server placement, not connected yet) nothing: :meth:`store` does it all.
+
+        Call with the same specs :meth:`store` gets after the forward; a reservation :meth:`store` never
+        uses is given back when the same request reserves again, and at :meth:`close`."""
+        if self.placement != PLACEMENT_WORKER or self.transfers is None or not self.settings.store:
+            return
+        for spec in stores:
+            with self._reservations_lock:
+                stale = self._reservations.pop(spec.request_id, None)
+            if stale is not None:  # first: while it holds the chunks, a new reservation would skip them
+                self.transfers.drop_reservation(stale[1])
+            key = self._shard_key(spec)
+            try:
+                ahead = self.transfers.reserve_store(key, spec.skip)
+            except Exception as exc:  # not sent: store() reserves then, and reports what fails
+                log.debug("reserving ahead for %s: %s", spec.request_id, exc)
+                continue
+            with self._reservations_lock:
+                self._reservations[spec.request_id] = (key, ahead)
+
     def store(self, stores: Iterable[StoreSpec]) -> None:
         """STORE prompts the engine just computed. A failed store is logged; serving goes on."""
         stores = list(stores)
@@ -322,14 +353,16 @@ class WorkerRuntime:
         if self.placement != PLACEMENT_WORKER:  # worker placement orders its copies after them itself
             self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
         for spec in stores:
+            with self._reservations_lock:
+                ahead = self._reservations.pop(spec.request_id, None)
             try:
-                reply = self._store_one(spec)
+                reply = self._store_one(spec, ahead)
             except RemoteError as exc:
                 if exc.code != "unknown_instance" or not self._register_again("a STORE was refused"):
                     self._store_failed(spec, exc)
                     continue
                 try:  # a STORE is idempotent: send it again to the server that now knows the cache
-                    reply = self._store_one(spec)
+                    reply = self._store_one(spec, None)
                 except Exception as again:
                     self._store_failed(spec, again)
                     continue
@@ -339,12 +372,19 @@ class WorkerRuntime:
             self.stats.bump(stores=1)
             self.record.write("stored", request_id=spec.request_id, rank=self.rank, **reply)
 
-    def _store_one(self, spec: StoreSpec) -> dict[str, Any]:
-        key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                        world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
+    def _shard_key(self, spec: StoreSpec) -> CacheKey:
+        return shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
+                         world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
+
+    def _store_one(self, spec: StoreSpec, ahead: tuple[CacheKey, Future] | None) -> dict[str, Any]:
+        """One STORE; ``ahead``: the key and reservation :meth:`reserve_stores` sent for it."""
         if self.placement == PLACEMENT_WORKER:
-            return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip)
-        return self.client.store(key, self.instance_id, [list(g) for g in spec.block_ids],
+            if ahead is not None:
+                key, reservation = ahead
+                return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip,
+                                                    reservation=reservation)
+            return self.transfers.store_to_pool(self._shard_key(spec), spec.block_ids, skip_first_n_tokens=spec.skip)
+        return self.client.store(self._shard_key(spec), self.instance_id, [list(g) for g in spec.block_ids],
                                  skip_first_n_tokens=spec.skip)
 
     def take_stats(self) -> RuntimeStats:
@@ -359,6 +399,10 @@ class WorkerRuntime:
     def close(self) -> None:
         """At engine shutdown: let loads in flight settle (bounded), then unregister the cache."""
         if self.transfers is not None:
+            with self._reservations_lock:
+                unused, self._reservations = list(self._reservations.values()), {}
+            for _, reservation in unused:
+                self.transfers.drop_reservation(reservation)
             self.transfers.wait_all(timeout=self.settings.layer_wait_timeout)
             self.transfers.close()
             try:

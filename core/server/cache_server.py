@@ -421,7 +421,7 @@ class CacheServer:
             else:
                 self.store.abandon(obj)
         if not landed and res.objects:
-            log.warning("store reservation %d for request %s dropped: the engine's copies did not land",
+            log.warning("store reservation %d for request %s dropped: the engine says no copy landed in it",
                         reservation, res.request_id)
         return {"stored_tokens": stored, "stored_bytes": stored_bytes}
 

@@ -6,10 +6,10 @@ the reference engine or a small in-house engine, calls
 :class:`~kvstrata.core.engine.scheduler_runtime.SchedulerRuntime` and
 :class:`~kvstrata.core.engine.worker_runtime.WorkerRuntime` itself; this mixin
 is that engine side, in the order an engine calls it: lookup until answered,
-allocation, one step's plan (settle preempted, start loads, store computed
-prompts), per-layer waits, polls, finish. Combine it with a class that owns the
-cache (``allocate``, ``free``, ``clear``, ``prefill``, ``read_layer`` and a
-``kv_caches`` attribute).
+allocation, one step's plan (settle preempted, start loads, reserve the stores,
+store computed prompts), per-layer waits, polls, finish. Combine it with a class
+that owns the cache (``allocate``, ``free``, ``clear``, ``prefill``,
+``read_layer`` and a ``kv_caches`` attribute).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class RuntimeDriver:
         plan = self.scheduler.plan_step(scheduled, (), block_ids_of=lambda rid: self._blocks[rid])
         self.runtime.settle(plan.preempted)
         self.runtime.start_loads(plan.loads)
+        self.runtime.reserve_stores(plan.stores)  # before the forward, as an engine with a step API would
         self.runtime.store(plan.stores)
 
     def store(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]]) -> None:
