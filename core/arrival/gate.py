@@ -49,6 +49,7 @@ class LayerArrivalGate:
         self._failed: str | None = None
         self._cond = threading.Condition()
         self._released = threading.Event()
+        self._waited_on = threading.Event()
 
     # --- transfer side ---------------------------------------------------------------
 
@@ -75,6 +76,11 @@ class LayerArrivalGate:
         """Block (without the GIL) until the engine took the release (:meth:`mark_released`), at most ``timeout``
         seconds; whether it did."""
         return self._released.wait(timeout)
+
+    def wait_waited_on(self, timeout: float) -> bool:
+        """Block (without the GIL) until the engine's first layer wait took a slice's completion (its stream is
+        ordered on the copy), at most ``timeout`` seconds; whether it did."""
+        return self._waited_on.wait(timeout)
 
     # --- engine side -----------------------------------------------------------------
 
@@ -162,4 +168,5 @@ class LayerArrivalGate:
                 self._cond.wait(min(remaining, poll_interval) if refresh is not None else remaining)
         if on_completion is not None:
             on_completion(completion)
+        self._waited_on.set()
         return True

@@ -50,7 +50,7 @@ POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
 
 RELEASE_HANDOVER_S = 0.001
 """How long the enqueue thread, once a load's first slice has landed, waits for the engine to take the release
-before it enqueues more slices (see :meth:`TransferQueue._hand_over_releases`)."""
+and order its stream on that slice before it enqueues more slices (see :meth:`TransferQueue._hand_over_releases`)."""
 
 
 class TransferAborted(RuntimeError):
@@ -220,20 +220,23 @@ class TransferQueue:
             self._stop(load, exc)
 
     def _hand_over_releases(self, awaiting: list[QueuedLoad]) -> None:
-        """Before enqueuing another slice: let the engine see each load whose first slice has landed.
+        """Before enqueuing another slice: let the engine see each load whose first slice has landed, and use it.
 
-        The engine learns of a release by polling on its own thread, which needs the GIL. This thread holds
-        the GIL while it enqueues slices, and CPython hands it to a waiting thread only after its switch
-        interval (5 ms): the engine would see the release only once every slice was enqueued. So once a
-        load's first slice has landed, this thread waits (without the GIL) until the engine took the
-        release, for at most :data:`RELEASE_HANDOVER_S`; the slices enqueued meanwhile keep the copy engine
-        busy. An engine that does not poll then costs the queue that bound once per load.
+        The engine learns of a release by polling on its own thread, then orders its stream on the first
+        layer (a layer wait); both need the GIL. This thread holds the GIL while it enqueues slices, and
+        CPython hands it to a waiting thread only after its switch interval (5 ms): the engine would see the
+        release, or start its first layer, only once every slice was enqueued. So once a load's first slice
+        has landed, this thread waits (without the GIL) until the engine took the release and made its first
+        layer wait on the load, for at most :data:`RELEASE_HANDOVER_S` in all; the slices enqueued meanwhile
+        keep the copy engine busy. An engine that does not poll then costs the queue that bound once per load.
         """
         for load in list(awaiting):
-            if load.gate.released or load.error is not None:
+            if load.error is not None or load.gate.released and load.gate.wait_waited_on(0):
                 awaiting.remove(load)
             elif self._landed(load.first_completion):
-                load.gate.wait_released(RELEASE_HANDOVER_S)
+                deadline = time.monotonic() + RELEASE_HANDOVER_S
+                if load.gate.wait_released(RELEASE_HANDOVER_S):
+                    load.gate.wait_waited_on(max(0.0, deadline - time.monotonic()))
                 awaiting.remove(load)
 
     def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
