@@ -19,8 +19,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
   engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
-  default is two per SM); ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest
-  priority (the default is normal priority; ``-prio0`` names it).
+  default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
+  two); ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest priority (the
+  default is normal priority; ``-prio0`` names it).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -77,10 +78,20 @@ def ring_setting(placement: str) -> tuple[str, bool | None]:
     return split_suffix(placement, RING_SUFFIXES)
 
 
+def numbered_suffix(placement: str, suffix: str) -> tuple[str, int | None]:
+    """(the placement without a ``{suffix}N`` ending, N), or (it, None)."""
+    base, sep, n = placement.rpartition(suffix)
+    return (base, int(n)) if sep and n.isdigit() else (placement, None)
+
+
 def scatter_ctas(placement: str) -> tuple[str, int | None]:
     """(the placement without a ``-ctasN`` suffix, N or None: the copier's default)."""
-    base, sep, n = placement.rpartition("-ctas")
-    return (base, int(n)) if sep and n.isdigit() else (placement, None)
+    return numbered_suffix(placement, "-ctas")
+
+
+def staging_buffers(placement: str) -> tuple[str, int | None]:
+    """(the placement without a ``-bufsN`` suffix, N or None: the copier's default number of staging buffers)."""
+    return numbered_suffix(placement, "-bufs")
 
 
 PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
@@ -257,9 +268,10 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     for n, placement in enumerate(placements):
         base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
         base, ctas = scatter_ctas(base)
+        base, buffers = staging_buffers(base)
         base, rings = ring_setting(base)
-        config = None if ctas is None and priority is None else CudaTransferConfig(
-            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
+        config = None if ctas is None and priority is None and buffers is None else CudaTransferConfig(
+            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES, staging_buffers=buffers or 2,
             stream_priority=ENGINE_COPY_PRIORITY if priority is None else priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"

@@ -78,7 +78,10 @@ class CudaTransferConfig:
     max_ctas: int = 0
     """Upper bound on thread blocks per launch; 0 means two per SM."""
     staging_bytes: int = 64 << 20
-    """Staged mode: the most bytes one staging buffer (of two) may hold; slices larger than this are split."""
+    """Staged mode: the most bytes one staging buffer may hold; slices larger than this are split."""
+    staging_buffers: int = 2
+    """Staged mode: how many staging buffers the copies take turns on (the copy engine fills one while the scatter
+    kernel empties another; more let the copy engine run further ahead of a kernel that waits for SMs)."""
     direct_copy_min_run: int = 256 << 10
     """Staged mode: write the engine directly with the copy engine when the average contiguous run is at least this
     (``NO_DIRECT_COPIES``: never)."""
@@ -89,8 +92,8 @@ class CudaTransferConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.max_ctas < 0 or self.staging_bytes <= 0:
-            raise ValueError("max_ctas must be >= 0 and staging_bytes > 0")
+        if self.max_ctas < 0 or self.staging_bytes <= 0 or self.staging_buffers < 2:
+            raise ValueError("max_ctas must be >= 0, staging_bytes > 0 and staging_buffers >= 2")
 
 
 def _vec_bytes(*values: int) -> int:
@@ -306,13 +309,14 @@ class CudaTransferEngine:
                 # Per staging buffer: `_idle[b]` marks everything that touched it so far, `_filled[b]`
                 # the hand-over between the copy stream and the kernel stream inside one piece.
                 # Used through their raw handles (see `_event`).
-                self._idle = [self._event(), self._event()]
-                self._filled = [self._event(), self._event()]
+                n = self.config.staging_buffers
+                self._idle = [self._event() for _ in range(n)]
+                self._filled = [self._event() for _ in range(n)]
             self._idle_h = [ev.cuda_event for ev in self._idle]
             self._filled_h = [ev.cuda_event for ev in self._filled]
             self._job_row = np.zeros(6, dtype=np.int64)  # one packed copy-engine job (under _stage_lock)
             self._job_row_addr = self._job_row.ctypes.data
-            self._used = [False, False]
+            self._used = [False] * n
         self._table_slots: list[_TableSlot] = []
         self._table_lock = threading.Lock()
         assert len(addrs) == L * kv
@@ -344,7 +348,8 @@ class CudaTransferEngine:
                                                    [base + off for off, _ in spans], [t for _, t in spans]))
 
     def staging(self, which: int, nbytes: int) -> torch.Tensor:
-        """Staging buffer ``which`` (0 or 1) with at least ``nbytes``; grown on demand, never preallocated."""
+        """Staging buffer ``which`` (of ``config.staging_buffers``) with at least ``nbytes``; grown on demand, never
+        preallocated."""
         while len(self._staging) <= which:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         buf = self._staging[which]
@@ -755,7 +760,7 @@ class CudaExecutor:
         copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(layer_start, layer_count, per_layer):
-                b = e._piece % 2
+                b = e._piece % len(e._used)
                 e._piece += 1
                 stage = e.staging(b, per_layer * count).data_ptr()
                 rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
@@ -783,7 +788,7 @@ class CudaExecutor:
         copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(0, lay.num_layers, per_layer):
-                b = e._piece % 2
+                b = e._piece % len(e._used)
                 e._piece += 1
                 stage = e.staging(b, per_layer * count).data_ptr()
                 table, vec = self._table(job, 0, count)
