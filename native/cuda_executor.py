@@ -64,6 +64,11 @@ ENGINE_COPY_PRIORITY = 0
 """The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, not the highest (-1), which
 measured slower first tokens with the engine computing (see the class)."""
 
+ENGINE_STAGING_BUFFERS = 4
+"""Staging buffers of an engine's own copies (:class:`CudaLocalCopier`). With two, a load into the vLLM format's
+cache took 2 ms longer with the engine computing than alone: the copy engine waited for a buffer whose scatter
+kernel waited for SMs. Four let it run ahead (see the class)."""
+
 NO_DIRECT_COPIES = 1 << 62
 """A ``direct_copy_min_run`` no run reaches: always stage."""
 
@@ -866,12 +871,16 @@ class CudaLocalCopier:
     process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait makes the
     engine's stream wait on it, and the CPU never blocks on a copy.
 
-    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`). At the highest priority the layers
-    the engine computes while later ones still copy take longer (likely: the scatter kernels pre-empting its
-    compute kernels; not profiled). With the engine computing, first-token time was shorter at normal
-    priority in 19 of 24 cells of two H200 runs (vLLM and SGLang formats by 0.1-2.3 ms at one request and
-    3.9-6.8 ms at four; TensorRT-LLM's within -0.5/+0.9 ms at one request, +1.7 and -0.8 ms at four),
-    ``benchmarks/results/h200-2026-12-02-session8`` runs 6-7.
+    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`): with the engine computing, first-token
+    time was shorter than at the highest priority in 19 of 24 cells of two H200 runs, by up to 2.3 ms at one
+    request (``benchmarks/results/h200-2026-12-02-session8``, runs 6-7); two identical arms of one later run
+    differed by up to 1.2 ms (``h200-2026-12-02-session9``, run 3), so the priority matters little either way.
+
+    The copies take turns on :data:`ENGINE_STAGING_BUFFERS` staging buffers, not two: with the engine
+    computing, a scatter kernel waits for SMs, and with two buffers the copy engine then waited for it. In
+    the vLLM format a 1.84 GiB load took 38.8 ms under compute with two and 36.7 ms with four, its first
+    token at 256 new tokens 2.0-2.4 ms sooner (``h200-2026-12-02-session9``, run 4); SGLang's and
+    TensorRT-LLM's formats, whose kernels are quicker, moved within the spread.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
@@ -884,7 +893,8 @@ class CudaLocalCopier:
         buffers: 45.4 ms direct against 39.3 ms staged; first token 78.0 against 72.0 ms at 1,024 new tokens,
         ``benchmarks/ttft_direct_copy_ab.sh``)."""
         t0 = time.perf_counter()
-        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
+        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY,
+                                              staging_buffers=ENGINE_STAGING_BUFFERS)
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
         self.register_s = time.perf_counter() - t0

@@ -168,6 +168,35 @@ def test_staging_is_sized_to_the_slice_not_to_all_layers(l1):
     assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:])
 
 
+@pytest.mark.parametrize("buffers", [2, 3, 4])
+def test_any_number_of_staging_buffers_moves_the_same_bytes(l1, buffers):
+    """The copies take turns on ``staging_buffers`` buffers. One-layer buffers split every slice into pieces of a
+    layer, so each buffer is filled and reused many times in one transfer, loading and storing."""
+    nb = -(-TOKENS // 16)
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=3 * nb + 4)
+    one_layer = cache.kv_size * TOKENS * cache.layout.token_bytes_per_layer
+    engine = make_engine(cache, l1, "staged", staging_bytes=one_layer, staging_buffers=buffers)
+    truth = cache.random_kv(TOKENS, seed=11)
+    objects = store_objects(l1, cache, truth)
+    for i, width in enumerate([0, 8]):
+        dst = shuffled_blocks(i * nb, nb, seed=20 + i)
+        cache.poison(dst)
+        planner.run_transfer(engine.executor(objects), retrieve_job(cache, objects, dst), width)
+        engine.synchronize()
+        assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:]), f"{buffers} buffers, width {width}"
+    assert len(engine._staging) == buffers
+    src = shuffled_blocks(2 * nb, nb, seed=30)
+    cache.write(truth, src)
+    torch.cuda.synchronize()
+    obj = l1.reserve(os.urandom(16), TOKENS, cache.layout.object_bytes(TOKENS), cache.layout.shape_signature())
+    view = l1.object_view(obj)
+    view.fill_(0x5A)
+    engine.executor([view]).gather(planner.TransferJob(cache.layout, [src], [planner.ChunkCopy(0, 0, TOKENS, 0)]))
+    engine.synchronize()
+    assert view.equal(truth.cpu()), f"{buffers} buffers: the store differs"
+    l1.abandon(obj)
+
+
 def test_unpinned_objects_are_refused_with_a_clear_error(l1):
     from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
 
