@@ -20,7 +20,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
   default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
-  four); ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest priority (the
+  two); ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest priority (the
   default is normal priority; ``-prio0`` names it).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
@@ -255,8 +255,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.cuda_executor import (ENGINE_COPY_PRIORITY, ENGINE_STAGING_BUFFERS, NO_DIRECT_COPIES,
-                                               CudaTransferConfig)
+    from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
     from kvstrata.native.gpu_caches import GpuKVCache
 
     nb = prefix // s.block
@@ -273,7 +272,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         base, rings = ring_setting(base)
         config = None if ctas is None and priority is None and buffers is None else CudaTransferConfig(
             max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
-            staging_buffers=ENGINE_STAGING_BUFFERS if buffers is None else buffers,
+            staging_buffers=buffers or CudaTransferConfig.staging_buffers,
             stream_priority=ENGINE_COPY_PRIORITY if priority is None else priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"

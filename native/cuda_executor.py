@@ -61,13 +61,8 @@ _MAX_VEC = 16
 
 
 ENGINE_COPY_PRIORITY = 0
-"""The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, not the highest (-1), which
-measured slower first tokens with the engine computing (see the class)."""
-
-ENGINE_STAGING_BUFFERS = 4
-"""Staging buffers of an engine's own copies (:class:`CudaLocalCopier`). With two, a load into the vLLM format's
-cache took 2 ms longer with the engine computing than alone: the copy engine waited for a buffer whose scatter
-kernel waited for SMs. Four let it run ahead (see the class)."""
+"""The stream priority of an engine's own copies (:class:`CudaLocalCopier`): normal, CUDA's default; the highest
+(-1) measured no better with the engine computing (see the class)."""
 
 NO_DIRECT_COPIES = 1 << 62
 """A ``direct_copy_min_run`` no run reaches: always stage."""
@@ -873,14 +868,15 @@ class CudaLocalCopier:
 
     The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`): with the engine computing, first-token
     time was shorter than at the highest priority in 19 of 24 cells of two H200 runs, by up to 2.3 ms at one
-    request (``benchmarks/results/h200-2026-12-02-session8``, runs 6-7); two identical arms of one later run
-    differed by up to 1.2 ms (``h200-2026-12-02-session9``, run 3), so the priority matters little either way.
+    request (``benchmarks/results/h200-2026-12-02-session8``, runs 6-7); but two arms of identical settings in
+    one later run differed by up to 2.2 ms (``h200-2026-12-02-session9``, runs 3 and 6), so that A/B does
+    not show the priority mattering either way.
 
-    The copies take turns on :data:`ENGINE_STAGING_BUFFERS` staging buffers, not two: with the engine
-    computing, a scatter kernel waits for SMs, and with two buffers the copy engine then waited for it. In
-    the vLLM format a 1.84 GiB load took 38.8 ms under compute with two and 36.7 ms with four, its first
-    token at 256 new tokens 2.0-2.4 ms sooner (``h200-2026-12-02-session9``, run 4); SGLang's and
-    TensorRT-LLM's formats, whose kernels are quicker, moved within the spread.
+    The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``). With the engine
+    computing, one engine-executed arm of a run loaded 2 ms slower than another arm of identical settings, in
+    the vLLM format and at times SGLang's; more buffers, or normal against highest priority, did not move
+    that beyond it (``h200-2026-12-02-session9``, README). Which arm is slow follows the arms' creation order
+    and ``CUDA_DEVICE_MAX_CONNECTIONS``, which points at the streams' hardware queues; not settled yet.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
@@ -893,8 +889,7 @@ class CudaLocalCopier:
         buffers: 45.4 ms direct against 39.3 ms staged; first token 78.0 against 72.0 ms at 1,024 new tokens,
         ``benchmarks/ttft_direct_copy_ab.sh``)."""
         t0 = time.perf_counter()
-        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY,
-                                              staging_buffers=ENGINE_STAGING_BUFFERS)
+        config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
         self.register_s = time.perf_counter() - t0
