@@ -215,7 +215,7 @@ def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(ser
     from kvstrata.core.adapter_api.types import HarnessSpec
     from kvstrata.core.engine.requests import StoreSpec
     from kvstrata.core.engine.settings import RuntimeSettings
-    from kvstrata.core.engine.worker_runtime import WorkerRuntime
+    from kvstrata.core.engine.worker_runtime import UNUSED_RESERVATION_STEPS, WorkerRuntime
     from kvstrata.core.store.keys import pack_tokens
 
     settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, instance_id=720,
@@ -238,9 +238,22 @@ def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(ser
         other = StoreSpec("s11", pack_tokens(random_prompt(TOKENS, seed=51)), None, (tuple(src[0]),), 0)
         runtime.reserve_stores([other])
         runtime.reserve_stores([other])  # planned again: the first reservation goes back, the second holds it
-        assert runtime._reservations["s11"][1].result(timeout=20)["objects"]
+        assert runtime._reservations["s11"].reply.result(timeout=20)["objects"]
         assert client.server_info()["l1"]["free_bytes"] == stored - (free_before - stored), "one reservation held"
+        for _ in range(UNUSED_RESERVATION_STEPS):  # steps that never store it (its forward raised, say)
+            runtime.reserve_stores([])
+        assert "s11" in runtime._reservations
+        runtime.reserve_stores([])
+        assert "s11" not in runtime._reservations
+        assert client.server_info()["l1"]["free_bytes"] == stored, "an unused reservation is given back in time"
+        runtime.store([other])  # a late store reserves again
+        assert not runtime.transfers.last_store.reserved_ahead
+        held = client.server_info()["l1"]["free_bytes"]
+        third = StoreSpec("s12", pack_tokens(random_prompt(TOKENS, seed=52)), None, (tuple(src[0]),), 0)
+        runtime.reserve_stores([third])  # left for close
+        assert runtime._reservations["s12"].reply.result(timeout=20)["objects"]
+        assert client.server_info()["l1"]["free_bytes"] < held
     finally:
         runtime.close()
         cache.close()
-    assert client.server_info()["l1"]["free_bytes"] == stored, "close gave back the reservation no store used"
+    assert client.server_info()["l1"]["free_bytes"] == held, "close gave back the reservation no store used"

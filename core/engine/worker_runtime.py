@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from kvstrata.core.adapter_api.plugins import Adapter
 from kvstrata.core.adapter_api.types import KVCacheDescription, NotSupported
@@ -49,6 +49,17 @@ log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL = 10.0
 
+UNUSED_RESERVATION_STEPS = 4
+"""A store reservation no store has used after this many more steps is given back (its objects are locked in the
+server's pool until then)."""
+
+
+class _AheadReservation(NamedTuple):
+    """A RESERVE_STORE :meth:`WorkerRuntime.reserve_stores` sent before the forward."""
+
+    key: CacheKey
+    reply: Future
+    step: int
 
 class WorkerRuntime:
     def __init__(self, adapter: Adapter, settings: RuntimeSettings, *, model: str, rank: int = 0,
@@ -75,9 +86,10 @@ class WorkerRuntime:
         self._unloadable: dict[str, tuple[list[list[int]], str]] = {}
         self._failure_reports: list[Any] = []
         self._next_connect = 0.0
-        self._reservations: dict[str, tuple[CacheKey, Future]] = {}
+        self._reservations: dict[str, _AheadReservation] = {}
         """Worker placement: RESERVE_STOREs sent ahead of their stores (:meth:`reserve_stores`), by request id."""
         self._reservations_lock = threading.Lock()  # the engine's thread reserves, a store thread may store
+        self._reserve_steps = 0
         self.stats = StatsAccumulator()
         """Engine-side numbers (see :mod:`kvstrata.core.engine.stats`)."""
 
@@ -327,15 +339,29 @@ class WorkerRuntime:
         and return at once, so the round trip runs during the forward and :meth:`store` only copies and
         commits. Elsewhere (server placement, not connected yet) nothing: :meth:`store` does it all.
 
-        Call with the same specs :meth:`store` gets after the forward; a reservation :meth:`store` never
-        uses is given back when the same request reserves again, and at :meth:`close`."""
+        Call it every step, with the same specs :meth:`store` gets after the forward. Reserved objects are
+        locked in the server's pool, so a reservation no store used is given back: when the same request
+        reserves again, once :data:`UNUSED_RESERVATION_STEPS` more steps have reserved (a forward that
+        raised, say), and at :meth:`close`. One a store has taken is never given back under it."""
         if self.placement != PLACEMENT_WORKER or self.transfers is None or not self.settings.store:
             return
+        self._reserve_steps += 1
+        step = self._reserve_steps
+        stores = list(stores)
+        with self._reservations_lock:
+            again = {spec.request_id for spec in stores}
+            unused = {rid: r for rid, r in self._reservations.items()
+                      if rid in again or r.step < step - UNUSED_RESERVATION_STEPS}
+            for rid in unused:
+                del self._reservations[rid]
+        late = sorted(rid for rid, r in unused.items() if rid not in again)
+        if late:
+            log.warning("gave back the store reservations of %s: no store used them within %d steps", late,
+                        UNUSED_RESERVATION_STEPS)
+        # first: while a reservation holds a prompt's chunks, a new one for it would skip them
+        for r in unused.values():
+            self.transfers.drop_reservation(r.reply)
         for spec in stores:
-            with self._reservations_lock:
-                stale = self._reservations.pop(spec.request_id, None)
-            if stale is not None:  # first: while it holds the chunks, a new reservation would skip them
-                self.transfers.drop_reservation(stale[1])
             key = self._shard_key(spec)
             try:
                 ahead = self.transfers.reserve_store(key, spec.skip)
@@ -343,7 +369,7 @@ class WorkerRuntime:
                 log.debug("reserving ahead for %s: %s", spec.request_id, exc)
                 continue
             with self._reservations_lock:
-                self._reservations[spec.request_id] = (key, ahead)
+                self._reservations[spec.request_id] = _AheadReservation(key, ahead, step)
 
     def store(self, stores: Iterable[StoreSpec]) -> None:
         """STORE prompts the engine just computed. A failed store is logged; serving goes on."""
@@ -376,13 +402,12 @@ class WorkerRuntime:
         return shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                          world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
 
-    def _store_one(self, spec: StoreSpec, ahead: tuple[CacheKey, Future] | None) -> dict[str, Any]:
-        """One STORE; ``ahead``: the key and reservation :meth:`reserve_stores` sent for it."""
+    def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
+        """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""
         if self.placement == PLACEMENT_WORKER:
             if ahead is not None:
-                key, reservation = ahead
-                return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                                    reservation=reservation)
+                return self.transfers.store_to_pool(ahead.key, spec.block_ids, skip_first_n_tokens=spec.skip,
+                                                    reservation=ahead.reply)
             return self.transfers.store_to_pool(self._shard_key(spec), spec.block_ids, skip_first_n_tokens=spec.skip)
         return self.client.store(self._shard_key(spec), self.instance_id, [list(g) for g in spec.block_ids],
                                  skip_first_n_tokens=spec.skip)
@@ -401,8 +426,8 @@ class WorkerRuntime:
         if self.transfers is not None:
             with self._reservations_lock:
                 unused, self._reservations = list(self._reservations.values()), {}
-            for _, reservation in unused:
-                self.transfers.drop_reservation(reservation)
+            for r in unused:
+                self.transfers.drop_reservation(r.reply)
             self.transfers.wait_all(timeout=self.settings.layer_wait_timeout)
             self.transfers.close()
             try:
