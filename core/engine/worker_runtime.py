@@ -61,6 +61,7 @@ class _AheadReservation(NamedTuple):
     reply: Future
     step: int
 
+
 class WorkerRuntime:
     def __init__(self, adapter: Adapter, settings: RuntimeSettings, *, model: str, rank: int = 0,
                  world_size: int = 1) -> None:
