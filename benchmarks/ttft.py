@@ -109,6 +109,36 @@ def locates_by_lookup(placement: str) -> bool:
     return not placement.startswith("server") and not placement.endswith(LOCATE_SUFFIX)
 
 
+BASE_PLACEMENTS = ("server", "worker", "worker-rr")
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    """What a ``--placements`` name asks for (None: the default)."""
+
+    base: str
+    priority: int | None = None
+    ctas: int | None = None
+    buffers: int | None = None
+    rings: bool | None = None
+
+
+def arm_settings(placement: str) -> ArmSettings:
+    """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-bufsN``,
+    ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve`` (any may be left out). A name that leaves anything else
+    is refused, so a misspelt arm cannot run the default settings under another name."""
+    base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
+    base, ctas = scatter_ctas(base)
+    base, buffers = staging_buffers(base)
+    base, rings = ring_setting(base)
+    if base not in BASE_PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
+                         "go in the order -norings/-rings, -bufsN, -ctasN, -prio0/-priohigh, -retrieve)")
+    if base == "server" and ((ctas, buffers, priority) != (None, None, None) or placement.endswith(LOCATE_SUFFIX)):
+        raise ValueError(f"placement {placement!r}: the copier suffixes are for engine-executed arms only")
+    return ArmSettings(base, priority, ctas, buffers, rings)
+
+
 @dataclass(frozen=True)
 class Shapes:
     layers: int = 32
@@ -266,14 +296,12 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         r.reader = prefix_reader(cache, r.blocks, s)
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
-        base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
-        base, ctas = scatter_ctas(base)
-        base, buffers = staging_buffers(base)
-        base, rings = ring_setting(base)
-        config = None if ctas is None and priority is None and buffers is None else CudaTransferConfig(
-            max_ctas=ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
-            staging_buffers=buffers or CudaTransferConfig.staging_buffers,
-            stream_priority=ENGINE_COPY_PRIORITY if priority is None else priority)
+        arm = arm_settings(placement)
+        base, rings = arm.base, arm.rings
+        config = None if (arm.ctas, arm.priority, arm.buffers) == (None, None, None) else CudaTransferConfig(
+            max_ctas=arm.ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
+            staging_buffers=arm.buffers or CudaTransferConfig.staging_buffers,
+            stream_priority=ENGINE_COPY_PRIORITY if arm.priority is None else arm.priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
         arm_client = client
@@ -493,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     placements = [x for x in args.placements.split(",") if x]
     if "server" not in placements:
         raise SystemExit("--placements must include server: the prefixes are stored through it")
+    try:
+        for placement in placements:
+            arm_settings(placement)
+    except ValueError as exc:
+        raise SystemExit(f"--placements: {exc}") from None
     news = [int(n) for n in args.new.split(",")]
     concs = [int(c) for c in args.concurrency.split(",") if c]
     max_conc = max([1, *concs])

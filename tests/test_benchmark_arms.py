@@ -1,0 +1,38 @@
+"""``benchmarks/ttft.py``'s arm names: each parses into the settings it names, and a misspelt one is refused
+(it would otherwise run the default settings under a name that says otherwise)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("server", ttft.ArmSettings("server")),
+    ("server-norings", ttft.ArmSettings("server", rings=False)),
+    ("worker", ttft.ArmSettings("worker")),
+    ("worker-rr", ttft.ArmSettings("worker-rr")),
+    ("worker-rings", ttft.ArmSettings("worker", rings=True)),
+    ("worker-bufs4", ttft.ArmSettings("worker", buffers=4)),
+    ("worker-ctas33", ttft.ArmSettings("worker", ctas=33)),
+    ("worker-priohigh", ttft.ArmSettings("worker", priority=-1)),
+    ("worker-prio0", ttft.ArmSettings("worker", priority=0)),
+    ("worker-norings-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("worker", -1, 66, 3, False)),
+])
+def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
+    assert ttft.arm_settings(name) == expected
+    assert ttft.locates_by_lookup(name) == (name != "server" and not name.startswith("server-")
+                                            and not name.endswith("-retrieve"))
+
+
+@pytest.mark.parametrize("name", ["worker-priohigh-bufs4", "wroker", "worker-bufs", "server-bufs4",
+                                  "server-retrieve", "worker-prio1"])
+def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        ttft.arm_settings(name)
