@@ -406,10 +406,9 @@ class WorkerRuntime:
     def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
         """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""
         if self.placement == PLACEMENT_WORKER:
-            if ahead is not None:
-                return self.transfers.store_to_pool(ahead.key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                                    reservation=ahead.reply)
-            return self.transfers.store_to_pool(self._shard_key(spec), spec.block_ids, skip_first_n_tokens=spec.skip)
+            key, reservation = (ahead.key, ahead.reply) if ahead is not None else (self._shard_key(spec), None)
+            return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip,
+                                                reservation=reservation)
         return self.client.store(self._shard_key(spec), self.instance_id, [list(g) for g in spec.block_ids],
                                  skip_first_n_tokens=spec.skip)
 
