@@ -1,6 +1,8 @@
 """A transfer that will not come never hangs the engine: failures are logged and reported for recompute."""
 
 import logging
+import time
+from concurrent.futures import Future
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
@@ -8,6 +10,7 @@ from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
 
 from helpers import SMALL_32, engine_loop, random_prompt, release_of, store_prompt
 
@@ -137,5 +140,64 @@ def test_server_side_failure_marks_the_board_failed_and_releases(client):
         assert "block ids [999] are outside" in reason
         assert client.server_info()["l1"]["locked_objects"] == 0
     finally:
+        worker.close()
+        engine.close()
+
+
+class _ResolvedRightAfterTheFirstLook(Future):
+    """A load's future that the transfer queue's settle thread resolves (failed) right after the engine's thread
+    first looked at it: the interleaving session 9's GPU run 7 hit once, held here instead of raced for."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self._exc = exc
+        self._looked = False
+
+    def done(self) -> bool:
+        was_done = super().done()
+        if not self._looked:
+            self._looked = True
+            self.set_exception(self._exc)
+        return was_done
+
+
+def test_a_worker_placement_failure_is_reported_when_its_copy_stops_while_the_engine_looks(client, tmp_path):
+    """The layer wait fails a held worker-placement load; its report waits until the copy has stopped. The copy
+    stopping just as the engine's poll looks at the load must not lose the report (it used to: the future was
+    read twice, once to report and once to settle, and a copy that stopped in between settled unreported)."""
+    tokens = 128
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
+    worker = LayerwiseWorker(client, 12, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                             layer_wait_timeout=0.5, retrieve_timeout=NEVER)
+    hold = SliceHold(tmp_path / "hold")
+    hold.hold("stalled", after_slices=1)
+    try:
+        with hold.installed():
+            worker.register()
+            prompt = random_prompt(tokens, seed=6)
+            store_prompt(client, engine, prompt, instance_id=12)
+            key = CacheKey.for_tokens("stalled", prompt, model="m")
+            assert client.lookup(key) == tokens
+            dst = engine.allocate(tokens)
+            worker.submit_retrieve("stalled", key, [dst], layers_per_stage=1)
+            hold.wait_held("stalled")
+            release_of(worker, "stalled")
+            worker.wait_for_layer(1)  # never lands while held: the bounded wait fails the load
+            assert worker.take_failed() == {}  # its copy is held, not stopped: not reported yet
+            inflight = worker._inflight["stalled"]
+            assert inflight.report_pending
+            inflight.future = _ResolvedRightAfterTheFirstLook(RuntimeError("copy stopped"))
+            failed: dict = {}
+            deadline = time.monotonic() + 60  # only catches a hang
+            while not failed and time.monotonic() < deadline:
+                worker.get_finished()
+                failed = worker.take_failed()
+            assert list(failed) == ["stalled"] and failed["stalled"][0] == [dst], failed
+            assert failed["stalled"][1].startswith("layer 1: layer 1 did not arrive"), failed["stalled"][1]
+            hold.open("stalled")
+        worker.wait_all(timeout=60)
+        assert worker.in_flight() == set()
+    finally:
+        hold.open_all()
         worker.close()
         engine.close()

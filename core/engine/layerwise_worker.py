@@ -410,10 +410,11 @@ class LayerwiseWorker:
         if inf.settled:
             return
         fut = inf.future
-        if inf.report_pending and fut.done():
+        done = fut.done()  # looked at once: the transfer queue's thread may resolve it at any moment
+        if inf.report_pending and done:
             inf.report_pending = False
             self._failed[inf.request_id] = (inf.block_ids, inf.record.failure or "failed")
-        if not fut.done():
+        if not done:
             if inf.slot is not None and inf.slot.progress().complete:
                 # Every layer landed (published after the copies finished, and the last
                 # thing the server writes to the slot): settle without the reply.

@@ -41,8 +41,9 @@ def wait_released(side: WorkerRuntime, rid: str, timeout: float = 30.0) -> None:
 
 
 def transfer_threads_state(side: WorkerRuntime, rid: str) -> str:
-    """What a load that never settled was doing (session 9's run 7 saw this test's report never come once, not
-    since reproduced): its future and record, and where the queue's threads stand."""
+    """What a load whose failure report never came was doing: its future and record, and where the queue's
+    threads stand (session 9's run 7 lost the report once: the worker read the load's future twice, and the copy
+    stopped in between; ``tests/test_failures.py`` holds that interleaving on CPU)."""
     import sys
     import threading
     import traceback
@@ -194,7 +195,7 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
             while not failures and time.monotonic() < deadline:
                 side.poll(set())
                 failures = side.take_load_failures()
-                time.sleep(0.001)  # as an engine, which polls once a step: not a loop that keeps the GIL from the queue
+                time.sleep(0.001)  # as an engine, which polls once a step
             assert failures == [set(dst)], (failures, transfer_threads_state(side, "ee-stalled"))
         side.transfers.wait_all(30)
     finally:
