@@ -23,9 +23,7 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("worker-ctas33", ttft.ArmSettings("worker", ctas=33)),
     ("worker-priohigh", ttft.ArmSettings("worker", priority=-1)),
     ("worker-prio0", ttft.ArmSettings("worker", priority=0)),
-    ("worker-ahead0", ttft.ArmSettings("worker", ahead=0)),
-    ("worker-ahead256-prio0", ttft.ArmSettings("worker", priority=0, ahead=256)),
-    ("worker-norings-ahead64-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("worker", -1, 66, 3, False, 64)),
+    ("worker-norings-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("worker", -1, 66, 3, False)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -34,13 +32,7 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["worker-priohigh-bufs4", "wroker", "worker-bufs", "server-bufs4",
-                                  "server-retrieve", "worker-prio1", "server-ahead0", "worker-bufs2-ahead0"])
+                                  "server-retrieve", "worker-prio1"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
-
-
-def test_an_arms_queue_bound_is_the_default_a_size_or_none() -> None:
-    assert ttft.arm_settings("worker").enqueue_ahead_bytes(384 << 20) == 384 << 20
-    assert ttft.arm_settings("worker-ahead64").enqueue_ahead_bytes(384 << 20) == 64 << 20
-    assert ttft.arm_settings("worker-ahead0").enqueue_ahead_bytes(384 << 20) is None

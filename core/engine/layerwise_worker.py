@@ -39,8 +39,7 @@ from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
 from kvstrata.core.engine.requests import ChunkLocations
-from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, POLICY_EARLIEST_RELEASED, QueuedLoad,
-                                                 TransferQueue)
+from kvstrata.core.engine.transfer_queue import POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
 from kvstrata.core.shm import Segment
@@ -73,8 +72,6 @@ class RetrieveRecord:
     """Worker placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
     """Worker placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
-    last_slice_at: float | None = None
-    """Worker placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
 
 
 @dataclass
@@ -127,10 +124,7 @@ class LayerwiseWorker:
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
                  shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
-                 pool_writable: bool = False, enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
-        """``enqueue_ahead_bytes``: worker placement, how far the transfer queue enqueues ahead of the copies
-        that landed (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`; None: every slice at
-        once, the A/B arm)."""
+                 pool_writable: bool = False) -> None:
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -166,7 +160,7 @@ class LayerwiseWorker:
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
-                                    landed=self._event_backend.landed, enqueue_ahead_bytes=enqueue_ahead_bytes) \
+                                    landed=self._event_backend.landed) \
             if placement == PLACEMENT_WORKER else None
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into
@@ -487,11 +481,10 @@ class LayerwiseWorker:
         """Block until every released, in-flight retrieve has ``layer`` (bounded; failures are reported)."""
         with self._lock:
             waiting = [i for i in self._inflight.values() if i.released and not i.failed]
-        on_missing = self._queue.hurry if self._queue is not None else None
         for inf in waiting:
             try:
                 if inf.gate.wait_for_layer(layer, self.layer_wait_timeout, refresh=inf.refresh,
-                                           on_completion=self._event_backend.wait, on_missing=on_missing):
+                                           on_completion=self._event_backend.wait):
                     inf.record.layer_waits += 1
             except (LayerWaitTimeout, TransferFailed) as exc:
                 with self._lock:
