@@ -440,6 +440,8 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         if any(r.located_by != wanted for r in recs):
             raise RuntimeError(f"arm {placement}: loads located by {[r.located_by for r in recs]}, not {wanted}")
         out["release_ms"] = [(r.released_at - t0) * 1e3 for r in recs]
+        if all(r.last_slice_at is not None for r in recs):  # engine-executed: when the queue enqueued the last slice
+            out["last_enqueued_ms"] = [(r.last_slice_at - t0) * 1e3 for r in recs]
         out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
     torch.cuda.synchronize()
     if timeline:
@@ -589,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
                             name: {"ttft_ms": summarize([r["ttft_ms"][0] for r in rs]),
                                    **({"transfer_ms": summarize([r["transfer_ms"][0] for r in rs]),
                                        "release_ms": summarize([r["release_ms"][0] for r in rs])}
-                                      if "transfer_ms" in rs[0] else {})}
+                                      if "transfer_ms" in rs[0] else {}),
+                                   **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
+                                      if "last_enqueued_ms" in rs[0] else {})}
                             for name, rs in runs.items()}
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)

@@ -72,6 +72,8 @@ class RetrieveRecord:
     """Worker placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
     """Worker placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
+    last_slice_at: float | None = None
+    """Worker placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
 
 
 @dataclass

@@ -213,6 +213,8 @@ class TransferQueue:
                 load.record.first_slice_at = time.perf_counter()
                 load.first_completion = completion
             load.next_slice += 1
+            if load.next_slice == len(load.slices):
+                load.record.last_slice_at = time.perf_counter()
             load.last_completion = completion
             load.gate.record_slice(start, count, completion)
             planner.slice_published(load.request_id, load.next_slice - 1)
