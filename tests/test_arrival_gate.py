@@ -120,20 +120,23 @@ def test_the_transfer_side_waits_for_the_engine_to_take_the_release():
     assert seen == [True] and g.released
 
 
-def test_the_transfer_side_sees_the_engines_first_layer_wait_take_a_completion():
-    """The queue's second hand-over wait: set once a layer wait handed a slice's completion to the engine
-    (its stream is ordered on the copy), not by a wait that found the slice already waited on."""
+def test_the_transfer_side_sees_the_engines_layer_waits_take_slice_completions():
+    """The queue's second hand-over wait: counts the slices whose completion a layer wait handed to the engine
+    (its stream is ordered on the copy), not waits that found their slice already waited on."""
     g = LayerArrivalGate(4)
     g.record_slice(0, 2, "e0")
-    assert not g.wait_waited_on(0.01)
+    g.record_slice(2, 1, "e2")
+    assert not g.wait_slices_waited(1, 0.01) and g.slices_waited == 0
     handed = []
     seen = []
-    t = threading.Thread(target=lambda: seen.append(g.wait_waited_on(60)))  # generous: only catches a hang
+    t = threading.Thread(target=lambda: seen.append(g.wait_slices_waited(2, 60)))  # generous: only catches a hang
     t.start()
     assert g.wait_for_layer(0, 60, on_completion=handed.append)
-    t.join(60)
-    assert seen == [True] and handed == ["e0"]
     assert not g.wait_for_layer(1, 60, on_completion=handed.append) and handed == ["e0"]
+    assert g.slices_waited == 1
+    assert g.wait_for_layer(2, 60, on_completion=handed.append)
+    t.join(60)
+    assert seen == [True] and handed == ["e0", "e2"] and g.slices_waited == 2
 
 
 def test_release_waits_until_the_first_slices_bytes_have_landed():

@@ -23,7 +23,10 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("worker-ctas33", ttft.ArmSettings("worker", ctas=33)),
     ("worker-priohigh", ttft.ArmSettings("worker", priority=-1)),
     ("worker-prio0", ttft.ArmSettings("worker", priority=0)),
-    ("worker-norings-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("worker", -1, 66, 3, False)),
+    ("worker-handover1", ttft.ArmSettings("worker", handover=1)),
+    ("worker-handover1-prio0", ttft.ArmSettings("worker", priority=0, handover=1)),
+    ("worker-norings-handover2-bufs3-ctas66-priohigh-retrieve",
+     ttft.ArmSettings("worker", -1, 66, 3, False, 2)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -32,7 +35,7 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["worker-priohigh-bufs4", "wroker", "worker-bufs", "server-bufs4",
-                                  "server-retrieve", "worker-prio1"])
+                                  "server-retrieve", "worker-prio1", "server-handover1", "worker-bufs2-handover1"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)

@@ -49,7 +49,7 @@ class LayerArrivalGate:
         self._failed: str | None = None
         self._cond = threading.Condition()
         self._released = threading.Event()
-        self._waited_on = threading.Event()
+        self._slices_waited = 0
 
     # --- transfer side ---------------------------------------------------------------
 
@@ -77,10 +77,12 @@ class LayerArrivalGate:
         seconds; whether it did."""
         return self._released.wait(timeout)
 
-    def wait_waited_on(self, timeout: float) -> bool:
-        """Block (without the GIL) until the engine's first layer wait took a slice's completion (its stream is
-        ordered on the copy), at most ``timeout`` seconds; whether it did."""
-        return self._waited_on.wait(timeout)
+    def wait_slices_waited(self, count: int, timeout: float) -> bool:
+        """Block (without the GIL) until the engine's layer waits took the completions of ``count`` slices (its
+        stream is ordered on those copies: it has launched the layers before the last), at most ``timeout``
+        seconds; whether they did."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._slices_waited >= count, timeout)
 
     # --- engine side -----------------------------------------------------------------
 
@@ -91,6 +93,12 @@ class LayerArrivalGate:
     @property
     def released(self) -> bool:
         return self._released.is_set()
+
+    @property
+    def slices_waited(self) -> int:
+        """How many slices' completions the engine's layer waits took so far."""
+        with self._cond:
+            return self._slices_waited
 
     @property
     def arrived_layers(self) -> int:
@@ -168,5 +176,7 @@ class LayerArrivalGate:
                 self._cond.wait(min(remaining, poll_interval) if refresh is not None else remaining)
         if on_completion is not None:
             on_completion(completion)
-        self._waited_on.set()
+        with self._cond:
+            self._slices_waited += 1
+            self._cond.notify_all()
         return True

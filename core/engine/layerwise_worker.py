@@ -39,7 +39,7 @@ from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
 from kvstrata.core.engine.requests import ChunkLocations
-from kvstrata.core.engine.transfer_queue import POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
+from kvstrata.core.engine.transfer_queue import HANDOVER_SLICES, POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
 from kvstrata.core.shm import Segment
@@ -126,7 +126,9 @@ class LayerwiseWorker:
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
                  shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
-                 pool_writable: bool = False) -> None:
+                 pool_writable: bool = False, handover_slices: int = HANDOVER_SLICES) -> None:
+        """``handover_slices``: worker placement, how many of a released load's slices the engine waits on
+        before the transfer queue enqueues more (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`)."""
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -162,7 +164,7 @@ class LayerwiseWorker:
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
-                                    landed=self._event_backend.landed) \
+                                    landed=self._event_backend.landed, handover_slices=handover_slices) \
             if placement == PLACEMENT_WORKER else None
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into

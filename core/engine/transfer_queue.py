@@ -48,9 +48,16 @@ POLICY_EARLIEST_RELEASED = "earliest_released"
 POLICY_ROUND_ROBIN = "round_robin"
 POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
 
-RELEASE_HANDOVER_S = 0.001
-"""How long the enqueue thread, once a load's first slice has landed, waits for the engine to take the release
-and order its stream on that slice before it enqueues more slices (see :meth:`TransferQueue._hand_over_releases`)."""
+RELEASE_HANDOVER_S = 0.003
+"""How long the enqueue thread, once a load's first slice has landed, waits at most for the engine to take the
+release and wait on the load's first :data:`HANDOVER_SLICES` slices before it enqueues more (see
+:meth:`TransferQueue._hand_over_releases`); the slices enqueued while the first one copied keep the copy engine
+busy meanwhile."""
+
+HANDOVER_SLICES = 3
+"""How many of a released load's slices the engine's layer waits take before the enqueue thread goes on: by
+then the engine has launched its first layers, which the GPU is still computing while the enqueue thread holds
+the GIL for the remaining slices."""
 
 
 class TransferAborted(RuntimeError):
@@ -114,12 +121,17 @@ class TransferQueue:
 
     def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
-                 retrieve_timeout: float, landed: Callable[[Any], bool]) -> None:
+                 retrieve_timeout: float, landed: Callable[[Any], bool],
+                 handover_slices: int = HANDOVER_SLICES) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool). ``landed(completion)``: whether a slice's copy has run
-        (``EventBackend.landed``)."""
+        (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
+        what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
+        if handover_slices < 1:
+            raise ValueError(f"handover_slices must be at least 1, got {handover_slices}")
+        self.handover_slices = handover_slices
         self.client = client
         self.layout = layout
         self.policy = policy
@@ -224,21 +236,23 @@ class TransferQueue:
     def _hand_over_releases(self, awaiting: list[QueuedLoad]) -> None:
         """Before enqueuing another slice: let the engine see each load whose first slice has landed, and use it.
 
-        The engine learns of a release by polling on its own thread, then orders its stream on the first
-        layer (a layer wait); both need the GIL. This thread holds the GIL while it enqueues slices, and
+        The engine learns of a release by polling on its own thread, then launches its first layers, each
+        after a layer wait; all of that needs the GIL. This thread holds the GIL while it enqueues slices, and
         CPython hands it to a waiting thread only after its switch interval (5 ms): the engine would see the
-        release, or start its first layer, only once every slice was enqueued. So once a load's first slice
-        has landed, this thread waits (without the GIL) until the engine took the release and made its first
-        layer wait on the load, for at most :data:`RELEASE_HANDOVER_S` in all; the slices enqueued meanwhile
-        keep the copy engine busy. An engine that does not poll then costs the queue that bound once per load.
+        release, or launch its first layer, only once every slice was enqueued. So once a load's first slice
+        has landed, this thread waits (without the GIL) until the engine took the release and its layer waits
+        took the load's first :attr:`handover_slices` slices (or as many as are enqueued), for at most
+        :data:`RELEASE_HANDOVER_S` in all; the slices enqueued while the first one copied keep the copy engine
+        busy meanwhile. An engine that does not poll then costs the queue that bound once per load.
         """
         for load in list(awaiting):
-            if load.error is not None or load.gate.released and load.gate.wait_waited_on(0):
+            wanted = min(self.handover_slices, load.next_slice)
+            if load.error is not None or load.gate.released and load.gate.slices_waited >= wanted:
                 awaiting.remove(load)
             elif self._landed(load.first_completion):
                 deadline = time.monotonic() + RELEASE_HANDOVER_S
                 if load.gate.wait_released(RELEASE_HANDOVER_S):
-                    load.gate.wait_waited_on(max(0.0, deadline - time.monotonic()))
+                    load.gate.wait_slices_waited(wanted, max(0.0, deadline - time.monotonic()))
                 awaiting.remove(load)
 
     def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
