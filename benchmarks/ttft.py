@@ -286,10 +286,15 @@ class FormatRig:
     """Connections of the engine-executed arms and of those without shared-memory rings (the server placement's
     default arm uses the run's client, which stores the prompts)."""
     register_s: dict[str, float] = field(default_factory=dict)
+    streams: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Engine-executed arms: the ``stream_id`` of their copier's kernel and copy streams (torch's pool streams;
+    to relate an arm's speed under compute to the streams it got)."""
 
 
 def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
-              chunk: int, instance_base: int):
+              chunk: int, instance_base: int, stream_pad: int = 0):
+    """``stream_pad``: take that many more streams from torch's pool before each engine-executed arm's copier
+    takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said)."""
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.engine.transfer_queue import HANDOVER_SLICES
@@ -322,6 +327,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      shm_rings=rings)
         else:
+            for _ in range(stream_pad):
+                torch.cuda.Stream()
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
             policy = "round_robin" if base == "worker-rr" else "earliest_released"
@@ -332,6 +339,11 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
+        copier = getattr(worker, "_copier", None)
+        if not server and copier is not None:
+            e = copier.engine
+            rig.streams[placement] = {"kernel": e.stream.stream_id,
+                                      "copy": e.copy_stream.stream_id if e.copy_stream is not None else None}
         rig.workers[placement], rig.backends[placement] = worker, backend
     return rig
 
@@ -506,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--pool-gib", type=float, default=32.0, help="the server's L1 pool (registered for DMA by each "
                                                                 "engine-executed worker: its cost is recorded)")
+    p.add_argument("--stream-pad", type=int, default=0, help="diagnostic: pool streams taken before each "
+                   "engine-executed arm's copier (see build_rig)")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
     args = p.parse_args(argv)
@@ -548,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
-                   "pool_gib": args.pool_gib,
+                   "pool_gib": args.pool_gib, "stream_pad": args.stream_pad,
                    "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
                             "bf16 random weights",
                    "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
@@ -563,9 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for f_index, fmt in enumerate(formats):
                 t_fmt = time.perf_counter()
-                rig = build_rig(fmt, client, s, prompts, args.prefix, placements, args.chunk, 10 * (f_index + 1))
+                rig = build_rig(fmt, client, s, prompts, args.prefix, placements, args.chunk, 10 * (f_index + 1),
+                                stream_pad=args.stream_pad)
                 try:
-                    fres: dict[str, Any] = {"register_s": rig.register_s}
+                    fres: dict[str, Any] = {"register_s": rig.register_s, "streams": rig.streams}
                     if truth is None:  # store every request's prefix once (the server's objects are format-free)
                         storer = rig.workers["server"]
                         backend = rig.backends["server"]
