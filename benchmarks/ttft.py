@@ -348,6 +348,19 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     return rig
 
 
+def note_copier_memory(rig: FormatRig) -> None:
+    """Add to ``rig.streams`` where each engine-executed arm's copies read and stage (host and device addresses of
+    the pool's mapping, its staging buffers and token tables), for the arm-to-arm spread's diagnosis."""
+    for placement, w in rig.workers.items():
+        copier = getattr(w, "_copier", None)
+        if placement not in rig.streams or copier is None:
+            continue
+        e = copier.engine
+        host, size, dev = e._pool_range
+        rig.streams[placement].update(pool_host=host, pool_dev=dev, staging=[b.data_ptr() for b in e._staging],
+                                      tables=[slot.dev.data_ptr() for slot in e._table_slots])
+
+
 def close_rig(rig: FormatRig) -> None:
     for w in rig.workers.values():
         w.close()
@@ -637,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                             name: {"ttft_ms": summarize([t for r in rs for t in r["ttft_ms"]]),
                                    "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs]}
                             for name, rs in runs.items()}
+                    note_copier_memory(rig)
                     fres["elapsed_s"] = round(time.perf_counter() - t_fmt, 1)
                     result["formats"][fmt] = fres
                 except Exception as exc:
