@@ -875,8 +875,9 @@ class CudaLocalCopier:
     The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``). With the engine
     computing, one engine-executed arm of a run loaded 2 ms slower than another arm of identical settings, in
     the vLLM format and at times SGLang's; more buffers, or normal against highest priority, did not move
-    that beyond it (``h200-2026-12-02-session9``, README). Which arm is slow follows the arms' creation order
-    and ``CUDA_DEVICE_MAX_CONNECTIONS``, which points at the streams' hardware queues; not settled yet.
+    that beyond it (``h200-2026-12-02-session9``, README). Which arm is slow follows the order the benchmark
+    creates the arms in, not the pool streams they get nor the 2 MiB alignment of what they copy through
+    (``h200-2026-12-02-session10``, runs 4-5); what decides it is not known yet.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
