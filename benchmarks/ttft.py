@@ -20,9 +20,11 @@ context are time-sliced against that compute. This benchmark runs the compute.
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
   default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
-  two); ``-handoverN`` (``worker-handover1``) has its transfer queue, after a load's release, wait until the
-  engine's layer waits took N of its slices before enqueuing more (the default is ``HANDOVER_SLICES``);
-  ``-priohigh`` (``worker-priohigh``) runs its copy and scatter streams at the highest priority (the
+  two); ``-aheadN`` (``worker-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
+  landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``worker-handover1``)
+  has its transfer queue, after a load's release, wait until the engine's layer waits took N of its slices
+  before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``worker-priohigh``) runs its copy
+  and scatter streams at the highest priority (the
   default is normal priority; ``-prio0`` names it).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
@@ -101,6 +103,11 @@ def handover_slices(placement: str) -> tuple[str, int | None]:
     return numbered_suffix(placement, "-handover")
 
 
+def enqueue_ahead(placement: str) -> tuple[str, int | None]:
+    """(the placement without an ``-aheadN`` suffix, N MiB or None: the transfer queue's default bound)."""
+    return numbered_suffix(placement, "-ahead")
+
+
 PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
 """An engine-executed placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
 (-1), one ending in ``-prio0`` at normal priority (0, the default since session 8's runs 6-7 measured it so)."""
@@ -129,23 +136,32 @@ class ArmSettings:
     buffers: int | None = None
     rings: bool | None = None
     handover: int | None = None
+    ahead: int | None = None
+    """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
+
+    def enqueue_ahead_bytes(self, default: int) -> int | None:
+        """``LayerwiseWorker``'s ``enqueue_ahead_bytes`` for this arm (None: no bound)."""
+        return default if self.ahead is None else (self.ahead << 20 or None)
 
 
 def arm_settings(placement: str) -> ArmSettings:
-    """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-handoverN``,
-    ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve`` (any may be left out). A name that leaves
-    anything else is refused, so a misspelt arm cannot run the default settings under another name."""
+    """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-aheadN``,
+    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve`` (any may be left out). A name
+    that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
     base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
     base, handover = handover_slices(base)
+    base, ahead = enqueue_ahead(base)
     base, rings = ring_setting(base)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -norings/-rings, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, -retrieve)")
-    if base == "server" and ((ctas, buffers, priority, handover) != (None,) * 4 or placement.endswith(LOCATE_SUFFIX)):
+                         "go in the order -norings/-rings, -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
+                         "-retrieve)")
+    if base == "server" and ((ctas, buffers, priority, handover, ahead) != (None,) * 5
+                             or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-executed arms only")
-    return ArmSettings(base, priority, ctas, buffers, rings, handover)
+    return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead)
 
 
 @dataclass(frozen=True)
@@ -297,7 +313,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said)."""
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.core.engine.registration_area import RegistrationArea
-    from kvstrata.core.engine.transfer_queue import HANDOVER_SLICES
+    from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
@@ -335,7 +351,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="worker",
                                      event_backend=backend, local_regions=cache.region_tensors(),
                                      registration_layout=staging.layout, transfer_queue_policy=policy,
-                                     shm_rings=rings, handover_slices=arm.handover or HANDOVER_SLICES)
+                                     shm_rings=rings, handover_slices=arm.handover or HANDOVER_SLICES,
+                                     enqueue_ahead_bytes=arm.enqueue_ahead_bytes(ENQUEUE_AHEAD_BYTES))
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
@@ -635,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                             for name, rs in runs.items()}
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
-                                                for pl in placements if pl in ("server", "worker", "worker-handover1")}
+                                                for pl in placements if pl in ("server", "worker", "worker-ahead0")}
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}

@@ -25,8 +25,10 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("worker-prio0", ttft.ArmSettings("worker", priority=0)),
     ("worker-handover1", ttft.ArmSettings("worker", handover=1)),
     ("worker-handover1-prio0", ttft.ArmSettings("worker", priority=0, handover=1)),
-    ("worker-norings-handover2-bufs3-ctas66-priohigh-retrieve",
-     ttft.ArmSettings("worker", -1, 66, 3, False, 2)),
+    ("worker-ahead0", ttft.ArmSettings("worker", ahead=0)),
+    ("worker-ahead256-prio0", ttft.ArmSettings("worker", priority=0, ahead=256)),
+    ("worker-norings-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
+     ttft.ArmSettings("worker", -1, 66, 3, False, 2, 64)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -35,7 +37,14 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["worker-priohigh-bufs4", "wroker", "worker-bufs", "server-bufs4",
-                                  "server-retrieve", "worker-prio1", "server-handover1", "worker-bufs2-handover1"])
+                                  "server-retrieve", "worker-prio1", "server-handover1", "worker-bufs2-handover1",
+                                  "server-ahead0", "worker-bufs2-ahead0", "worker-handover1-ahead0"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
+
+
+def test_an_arms_queue_bound_is_the_default_a_size_or_none() -> None:
+    assert ttft.arm_settings("worker").enqueue_ahead_bytes(384 << 20) == 384 << 20
+    assert ttft.arm_settings("worker-ahead64").enqueue_ahead_bytes(384 << 20) == 64 << 20
+    assert ttft.arm_settings("worker-ahead0").enqueue_ahead_bytes(384 << 20) is None

@@ -1,9 +1,11 @@
 """The worker placement's one transfer queue: the policy decides the order of concurrent loads' slices."""
 
+import threading
 import time
 
 import pytest
 
+from kvstrata.core.arrival.events import HostCopier, HostEventBackend
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.transfer_queue import (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN, QueuedLoad,
@@ -13,7 +15,7 @@ from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.transfer import planner
 from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
 
-from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, store_prompt
+from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
 
 
 def _loads(*slice_counts: int) -> list[QueuedLoad]:
@@ -104,5 +106,110 @@ def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, pol
             assert worker.records[rid].failure is None
     finally:
         hold.open_all()
+        worker.close()
+        engine.close()
+
+
+class _GatedCopier(HostCopier):
+    """The CPU copies, but a slice counts as landed only once the test sets its completion: the state a GPU's
+    copy engine is in while slices are still queued, held instead of raced for."""
+
+    def __init__(self, *args, completions: list[threading.Event], landing: threading.Event) -> None:
+        super().__init__(*args)
+        self.completions = completions
+        self.landing = landing
+
+    def mark_slice(self, executor):
+        done = threading.Event()
+        if self.landing.is_set():
+            done.set()
+        self.completions.append(done)
+        return done
+
+    def finish(self, last_completion) -> None:
+        if last_completion is not None:
+            assert last_completion.wait(60), "the test never landed the slice the settle thread waits for"
+
+
+class _GatedBackend(HostEventBackend):
+    """Host events whose ``landed`` is the test's word; says whom the transfer queue asked about."""
+
+    def __init__(self) -> None:
+        self.completions: list[threading.Event] = []
+        self.asked = threading.Condition()
+        self.asked_about: list[threading.Event] = []
+        self.landing = threading.Event()
+        """Set: every slice lands as soon as it is enqueued (the test's teardown)."""
+
+    def land_everything(self) -> None:
+        self.landing.set()
+        for done in list(self.completions):
+            done.set()
+
+    def landed(self, event) -> bool:
+        with self.asked:
+            self.asked_about.append(event)
+            self.asked.notify_all()
+        return event is None or event.is_set()
+
+    def local_copier(self, layout, regions, pool, writable=False):
+        return _GatedCopier(layout, list(regions), pool, completions=self.completions, landing=self.landing)
+
+    def wait_asked_about(self, event, after: int, timeout: float = 60.0) -> None:
+        """Until the queue asks whether ``event`` landed, later than its ``after``-th question (a hang bound)."""
+        with self.asked:
+            assert self.asked.wait_for(lambda: event in self.asked_about[after:], timeout), "never asked"
+
+
+def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_layer_wait_hurries_it(client, tmp_path):
+    """Worker placement with a bound of three slices' bytes: three one-layer slices are enqueued, the fourth
+    only once the first has landed; then an engine's wait for a layer not enqueued yet makes the queue enqueue
+    the rest at once, without waiting for more landings, and every layer lands byte-exact."""
+    tokens = 64
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
+    slice_bytes = engine.layout.kv_size * tokens * engine.layout.token_bytes_per_layer
+    backend = _GatedBackend()
+    worker = LayerwiseWorker(client, 13, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+                             event_backend=backend, enqueue_ahead_bytes=3 * slice_bytes)
+    published: list[int] = []
+    previous_hook = planner._slice_hook
+    planner._slice_hook = lambda request_id, n: published.append(n)  # test-only hook: slices enqueued so far
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=22)
+        store_prompt(client, engine, prompt, instance_id=13)
+        key, dst = lookup_into_fresh_blocks(client, engine, "ahead", prompt)
+        worker.submit_retrieve("ahead", key, [dst], layers_per_stage=1)
+        deadline = time.monotonic() + 60  # only catches a hang
+        while len(backend.completions) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        first, asked = backend.completions[0], len(backend.asked_about)
+        backend.wait_asked_about(first, asked)  # it waits for room: slice 3 is not enqueued while slice 0 is queued
+        assert len(backend.completions) == 3 and published == [0, 1, 2, 3]
+        assert worker.get_finished() == []  # recorded is not landed: no release yet
+        first.set()
+        while len(backend.completions) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        second, asked = backend.completions[1], len(backend.asked_about)
+        backend.wait_asked_about(second, asked)
+        assert len(backend.completions) == 4
+        assert release_of(worker, "ahead")["future_done"] is False
+        worker.wait_for_layer(0)
+        worker.wait_for_layer(20)  # not enqueued yet: the layer wait hurries the queue and returns once it is
+        assert len(backend.completions) >= 21
+        for layer in range(SMALL_32.num_layers):
+            worker.wait_for_layer(layer)
+        assert len(backend.completions) == SMALL_32.num_layers  # with only slice 0 landed
+        assert sum(e.is_set() for e in backend.completions) == 1
+        for done in backend.completions:
+            done.set()
+        worker.wait_all()
+        assert worker.records["ahead"].failure is None
+        assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
+    finally:
+        planner._slice_hook = previous_hook
+        backend.land_everything()
         worker.close()
         engine.close()

@@ -143,13 +143,16 @@ class LayerArrivalGate:
             return self._slice_of_layer[layer] is not None
 
     def wait_for_layer(self, layer: int, timeout: float, *, refresh: Callable[[], None] | None = None,
-                       on_completion: Callable[[Any], None] | None = None, poll_interval: float = 0.0005) -> bool:
+                       on_completion: Callable[[Any], None] | None = None,
+                       on_missing: Callable[[], None] | None = None, poll_interval: float = 0.0005) -> bool:
         """Block until ``layer`` has arrived; then, once per slice, hand its completion to ``on_completion``.
 
         ``refresh`` is called while waiting for a source that must be polled (the
-        cross-process board). Returns True if a completion was handed over, False
-        if this slice was already waited on. Raises TransferFailed or
-        LayerWaitTimeout; never blocks longer than ``timeout``.
+        cross-process board); ``on_missing`` each time the layer is found not recorded
+        yet, before waiting (worker placement: the transfer queue is told to enqueue it
+        now). Returns True if a completion was handed over, False if this slice was
+        already waited on. Raises TransferFailed or LayerWaitTimeout; never blocks
+        longer than ``timeout``.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
@@ -173,7 +176,10 @@ class LayerArrivalGate:
                         f"layer {layer} did not arrive within {timeout:.3f}s "
                         f"({self._contiguous} of {self.num_layers} layers landed)"
                     )
-                self._cond.wait(min(remaining, poll_interval) if refresh is not None else remaining)
+                if on_missing is not None:
+                    on_missing()
+                polled = refresh is not None or on_missing is not None
+                self._cond.wait(min(remaining, poll_interval) if polled else remaining)
         if on_completion is not None:
             on_completion(completion)
         with self._cond:

@@ -39,7 +39,8 @@ from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
 from kvstrata.core.engine.requests import ChunkLocations
-from kvstrata.core.engine.transfer_queue import HANDOVER_SLICES, POLICY_EARLIEST_RELEASED, QueuedLoad, TransferQueue
+from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
+                                                 QueuedLoad, TransferQueue)
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
 from kvstrata.core.shm import Segment
@@ -126,9 +127,13 @@ class LayerwiseWorker:
                  release_after_layers: int = 1, layer_wait_timeout: float = 10.0,
                  retrieve_timeout: float = 120.0, registration_layout: PagedKVLayout | None = None,
                  shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
-                 pool_writable: bool = False, handover_slices: int = HANDOVER_SLICES) -> None:
-        """``handover_slices``: worker placement, how many of a released load's slices the engine waits on
-        before the transfer queue enqueues more (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`)."""
+                 pool_writable: bool = False, handover_slices: int = HANDOVER_SLICES,
+                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
+        """Worker placement: ``handover_slices``, how many of a released load's slices the engine waits on before
+        the transfer queue enqueues more (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`);
+        ``enqueue_ahead_bytes``, how far it enqueues ahead of the copies that landed
+        (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`; None: every slice at once, the A/B
+        arm)."""
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
         if placement == PLACEMENT_WORKER and local_regions is None:
@@ -164,7 +169,8 @@ class LayerwiseWorker:
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
-                                    landed=self._event_backend.landed, handover_slices=handover_slices) \
+                                    landed=self._event_backend.landed, handover_slices=handover_slices,
+                                    enqueue_ahead_bytes=enqueue_ahead_bytes) \
             if placement == PLACEMENT_WORKER else None
         self.pool_writable = pool_writable
         """Worker placement: map the server's pool writable too, so this process STOREs by copying into
@@ -485,10 +491,11 @@ class LayerwiseWorker:
         """Block until every released, in-flight retrieve has ``layer`` (bounded; failures are reported)."""
         with self._lock:
             waiting = [i for i in self._inflight.values() if i.released and not i.failed]
+        on_missing = self._queue.hurry if self._queue is not None else None
         for inf in waiting:
             try:
                 if inf.gate.wait_for_layer(layer, self.layer_wait_timeout, refresh=inf.refresh,
-                                           on_completion=self._event_backend.wait):
+                                           on_completion=self._event_backend.wait, on_missing=on_missing):
                     inf.record.layer_waits += 1
             except (LayerWaitTimeout, TransferFailed) as exc:
                 with self._lock:

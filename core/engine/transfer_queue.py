@@ -18,7 +18,13 @@ Two threads, so that enqueuing never waits for a copy to finish:
 * ``kvstrata-transfer-enqueue`` waits for each load's RETRIEVE reply (sent from the
   engine's thread at submit), plans it, and enqueues its slices in policy order;
   each slice's completion goes to the load's gate as soon as it is enqueued (on a
-  GPU an event the engine's stream waits on; on the CPU the copy has run).
+  GPU an event the engine's stream waits on; on the CPU the copy has run). It keeps
+  at most about :data:`ENQUEUE_AHEAD_BYTES` of copies queued beyond what has landed,
+  and waits without the GIL for the rest: enqueuing a slice is Python on the engine
+  process's GIL, and a load's remaining slices enqueued in one burst right after its
+  release held the GIL while the engine's thread was launching its first layer. An
+  engine's layer wait that finds its layer not enqueued yet ends that bound for the
+  loads in hand (:meth:`TransferQueue.hurry`), so a layer wait never waits for it.
 * ``kvstrata-transfer-settle`` waits, load by load, until what was enqueued for it
   has run, then frees the server's locks and resolves the load's future: only then
   may the engine free or recompute into its blocks.
@@ -30,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -58,6 +65,17 @@ HANDOVER_SLICES = 3
 """How many of a released load's slices the engine's layer waits take before the enqueue thread goes on: by
 then the engine has launched its first layers, which the GPU is still computing while the enqueue thread holds
 the GIL for the remaining slices."""
+
+
+ENQUEUE_AHEAD_BYTES = 384 << 20
+"""How many bytes of copies the enqueue thread keeps queued beyond those that have landed: about 7 ms of a PCIe 5
+copy engine. More than CPython's 5 ms switch interval, so an engine thread that keeps the GIL through a burst of
+launches does not let the copy engine run dry; little enough that, after a load's first slice, the enqueue thread
+is waiting rather than enqueuing when the engine takes the release and launches its first layer."""
+
+LANDING_POLL_S = 0.0005
+"""How often the enqueue thread, while the copies queued ahead fill :data:`ENQUEUE_AHEAD_BYTES`, looks whether the
+oldest has landed (waiting without the GIL in between; an engine's :meth:`TransferQueue.hurry` wakes it at once)."""
 
 
 class TransferAborted(RuntimeError):
@@ -122,16 +140,25 @@ class TransferQueue:
     def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
                  retrieve_timeout: float, landed: Callable[[Any], bool],
-                 handover_slices: int = HANDOVER_SLICES) -> None:
+                 handover_slices: int = HANDOVER_SLICES,
+                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool). ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
-        what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against)."""
+        what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against). ``enqueue_ahead_bytes``: see
+        :data:`ENQUEUE_AHEAD_BYTES`; None enqueues every slice at once (``ttft.py``'s ``-ahead0`` arms)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
         if handover_slices < 1:
             raise ValueError(f"handover_slices must be at least 1, got {handover_slices}")
         self.handover_slices = handover_slices
+        if enqueue_ahead_bytes is not None and enqueue_ahead_bytes <= 0:
+            raise ValueError(f"enqueue_ahead_bytes must be positive or None, got {enqueue_ahead_bytes}")
+        self.enqueue_ahead_bytes = enqueue_ahead_bytes
+        self._queued_ahead: deque[tuple[Any, int]] = deque()
+        """(completion, bytes) of the slices enqueued and not yet seen landed, oldest first (enqueue thread only)."""
+        self._queued_ahead_bytes = 0
+        self._hurry = threading.Event()
         self.client = client
         self.layout = layout
         self.policy = policy
@@ -151,6 +178,11 @@ class TransferQueue:
     def submit(self, load: QueuedLoad) -> Future:
         self._pending.put(load)
         return load.future
+
+    def hurry(self) -> None:
+        """The engine waits for a layer whose slice is not enqueued yet: enqueue the loads in hand without the
+        :data:`ENQUEUE_AHEAD_BYTES` bound (called from the engine's thread, by its layer wait; returns at once)."""
+        self._hurry.set()
 
     def close(self) -> None:
         """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
@@ -190,7 +222,9 @@ class TransferQueue:
                     self._stop(load, exc)
                     self._enqueued.put(load)
             awaiting_release: list[QueuedLoad] = []
+            self._hurry.clear()  # an engine still waiting says so again (its layer wait keeps asking)
             for load in slice_order(ready, self.policy):
+                self._wait_for_room(self._slice_bytes(load))
                 if awaiting_release:
                     self._hand_over_releases(awaiting_release)
                 self._enqueue_next_slice(load)
@@ -228,10 +262,33 @@ class TransferQueue:
             if load.next_slice == len(load.slices):
                 load.record.last_slice_at = time.perf_counter()
             load.last_completion = completion
+            if self.enqueue_ahead_bytes is not None:
+                self._queued_ahead.append((completion, self._slice_bytes(load, count)))
+                self._queued_ahead_bytes += self._queued_ahead[-1][1]
             load.gate.record_slice(start, count, completion)
             planner.slice_published(load.request_id, load.next_slice - 1)
         except BaseException as exc:  # noqa: BLE001
             self._stop(load, exc)
+
+    def _slice_bytes(self, load: QueuedLoad, count: int | None = None) -> int:
+        """Bytes one slice of ``load`` copies: ``count`` layers, by default those of its next slice."""
+        if count is None:
+            count = load.slices[load.next_slice][1]
+        return self.layout.kv_size * count * load.job.num_tokens * self.layout.token_bytes_per_layer
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Before enqueuing a slice of ``nbytes``: while the slices queued ahead of the landed ones would then
+        exceed :data:`ENQUEUE_AHEAD_BYTES` (two are always allowed, so wide slices still overlap), wait for the
+        oldest to land, without the GIL, until the engine hurries the queue."""
+        if self.enqueue_ahead_bytes is None:
+            return
+        while True:
+            while self._queued_ahead and self._landed(self._queued_ahead[0][0]):
+                self._queued_ahead_bytes -= self._queued_ahead.popleft()[1]
+            if (len(self._queued_ahead) < 2 or self._queued_ahead_bytes + nbytes <= self.enqueue_ahead_bytes
+                    or self._hurry.is_set()):
+                return
+            self._hurry.wait(LANDING_POLL_S)
 
     def _hand_over_releases(self, awaiting: list[QueuedLoad]) -> None:
         """Before enqueuing another slice: let the engine see each load whose first slice has landed, and use it.
