@@ -302,9 +302,9 @@ class FormatRig:
     """Connections of the engine-executed arms and of those without shared-memory rings (the server placement's
     default arm uses the run's client, which stores the prompts)."""
     register_s: dict[str, float] = field(default_factory=dict)
-    streams: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Engine-executed arms: the ``stream_id`` of their copier's kernel and copy streams (torch's pool streams;
-    to relate an arm's speed under compute to the streams it got)."""
+    streams: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Engine-executed arms: their copier's kernel and copy streams (torch ``stream_id``) and where its copies
+    read and stage (:func:`note_copiers`), to relate an arm's speed under compute to what it got."""
 
 
 def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
@@ -356,26 +356,24 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
-        copier = getattr(worker, "_copier", None)
-        if not server and copier is not None:
-            e = copier.engine
-            rig.streams[placement] = {"kernel": e.stream.stream_id,
-                                      "copy": e.copy_stream.stream_id if e.copy_stream is not None else None}
         rig.workers[placement], rig.backends[placement] = worker, backend
     return rig
 
 
-def note_copier_memory(rig: FormatRig) -> None:
-    """Add to ``rig.streams`` where each engine-executed arm's copies read and stage (host and device addresses of
-    the pool's mapping, its staging buffers and token tables), for the arm-to-arm spread's diagnosis."""
+def note_copiers(rig: FormatRig) -> None:
+    """Fill ``rig.streams`` for each engine-executed arm: its copier's streams and where its copies read and stage
+    (host and device addresses of the pool's mapping, its staging buffers and token tables), for the arm-to-arm
+    spread's diagnosis. After the arms ran, so the staging buffers and tables exist."""
     for placement, w in rig.workers.items():
-        copier = getattr(w, "_copier", None)
-        if placement not in rig.streams or copier is None:
+        copier = getattr(w, "_copier", None)  # worker placement only: the server's arms copy in its process
+        if copier is None:
             continue
         e = copier.engine
-        host, size, dev = e._pool_range
-        rig.streams[placement].update(pool_host=host, pool_dev=dev, staging=[b.data_ptr() for b in e._staging],
-                                      tables=[slot.dev.data_ptr() for slot in e._table_slots])
+        host, _, dev = e._pool_range
+        rig.streams[placement] = {"kernel": e.stream.stream_id,
+                                  "copy": e.copy_stream.stream_id if e.copy_stream is not None else None,
+                                  "pool_host": host, "pool_dev": dev, "staging": [b.data_ptr() for b in e._staging],
+                                  "tables": [slot.dev.data_ptr() for slot in e._table_slots]}
 
 
 def close_rig(rig: FormatRig) -> None:
@@ -667,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                             name: {"ttft_ms": summarize([t for r in rs for t in r["ttft_ms"]]),
                                    "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs]}
                             for name, rs in runs.items()}
-                    note_copier_memory(rig)
+                    note_copiers(rig)
                     fres["elapsed_s"] = round(time.perf_counter() - t_fmt, 1)
                     result["formats"][fmt] = fres
                 except Exception as exc:
