@@ -12,7 +12,8 @@ batch's retrieves, waits (bounded) until the runtime releases them on their firs
 layer in turn with the runtime's own per-layer wait and ``complete``\\ s the layer in SGLang's counter only
 when that wait returned with the layer's bytes in place; a failure anywhere ``fail``\\ s the counter with the
 runtime's reason (which its record also holds), so ``finish`` reports it and SGLang aborts only those
-requests. Offloads run on the same thread, after the loads queued before them.
+requests. Offloads run on the same thread, after the loads queued before them; each reserves its objects
+on the server before it waits for the forward's writes, so that round trip overlaps the forward.
 
 It needs no SGLang import: the linker hands it SGLang's counter, and the GPU tests a stand-in for it.
 """
@@ -359,35 +360,50 @@ class LayerLoader:
 
     def _offload(self, request_id: str, page_hashes: tuple[str, ...], slots: torch.Tensor,
                  ready: Sequence[Any]) -> None:
+        """Reserve the pages' objects first, then wait for the forward's writes, then copy and commit: the
+        RESERVE_STORE round trip runs while the forward that computed the pages may still be running, as
+        vLLM's and TensorRT-LLM's reservations before their forward do."""
         ok = False
+        spec: StoreSpec | None = None
         try:
-            if self._wait_for_offload_inputs is not None:
-                self._wait_for_offload_inputs(ready)
             blocks = blocks_of_slots(slots, self.page_size)
             if len(blocks) != len(page_hashes):
                 raise LayoutError(f"{len(blocks)} pages of slots for {len(page_hashes)} page hashes")
             with self._runtime_lock:
-                ok = self._store(request_id, page_hashes, blocks)
+                spec, ok = self._plan_store(request_id, page_hashes, blocks)
+                if spec is not None:
+                    self.runtime.reserve_stores([spec])
+            if spec is None:
+                return
+            if self._wait_for_offload_inputs is not None:
+                self._wait_for_offload_inputs(ready)
+            with self._runtime_lock:
+                failed_before = self.runtime.stats.total.stores_failed
+                self.runtime.store([spec])
+                ok = self.runtime.stats.total.stores_failed == failed_before
         except Exception as exc:
             log.warning("offload of %d pages failed: %s", len(page_hashes), exc)
         finally:
+            if spec is not None:  # a reservation no store took (the wait failed, say) goes back now
+                with self._runtime_lock:
+                    self.runtime.drop_store_reservation(spec.request_id)
             self._offload_results.put(ok)
 
-    def _store(self, request_id: str, page_hashes: tuple[str, ...], blocks: list[int]) -> bool:
+    def _plan_store(self, request_id: str, page_hashes: tuple[str, ...],
+                    blocks: list[int]) -> tuple[StoreSpec | None, bool]:
+        """The store an offload needs (None if none) and, when none, whether the offload succeeded."""
         if not self.runtime.connect():
             log.info("offload of %d pages skipped: kvstrata server %s not reachable", len(page_hashes),
                      self.settings.server_address)
-            return False
+            return None, False
         stored = self._lookup_pages(request_id, page_hashes)  # skip what the server already holds
         self._end_session(request_id)
         if stored is None:
-            return False
+            return None, False
         if stored >= len(page_hashes):
-            return True
-        failed_before = self.runtime.stats.total.stores_failed
-        self.runtime.store([StoreSpec(request_id, b"", None, (tuple(blocks),), stored * self.page_size,
-                                      page_hashes, self.page_size)])
-        return self.runtime.stats.total.stores_failed == failed_before
+            return None, True
+        return StoreSpec(request_id, b"", None, (tuple(blocks),), stored * self.page_size, page_hashes,
+                         self.page_size), False
 
     # --- lifecycle -----------------------------------------------------------------------------
 

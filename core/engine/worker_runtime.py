@@ -340,7 +340,8 @@ class WorkerRuntime:
         and return at once, so the round trip runs during the forward and :meth:`store` only copies and
         commits. Elsewhere (server placement, not connected yet) nothing: :meth:`store` does it all.
 
-        Call it every step, with the same specs :meth:`store` gets after the forward. Reserved objects are
+        Call it every step, with the same specs :meth:`store` gets after the forward (an engine without a step
+        hook calls it right before it waits for the forward's writes: SGLang's offloads). Reserved objects are
         locked in the server's pool, so a reservation no store used is given back: when the same request
         reserves again, once :data:`UNUSED_RESERVATION_STEPS` more steps have reserved (a forward that
         raised, say), and at :meth:`close`. One a store has taken is never given back under it."""
@@ -371,6 +372,14 @@ class WorkerRuntime:
                 continue
             with self._reservations_lock:
                 self._reservations[spec.request_id] = _AheadReservation(key, ahead, step)
+
+    def drop_store_reservation(self, request_id: str) -> None:
+        """Give back the reservation :meth:`reserve_stores` made for ``request_id`` at once (its store will not
+        come: the offload that planned it failed before its copies); nothing if it holds none."""
+        with self._reservations_lock:
+            ahead = self._reservations.pop(request_id, None)
+        if ahead is not None and self.transfers is not None:
+            self.transfers.drop_reservation(ahead.reply)
 
     def store(self, stores: Iterable[StoreSpec]) -> None:
         """STORE prompts the engine just computed. A failed store is logged; serving goes on."""
