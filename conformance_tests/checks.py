@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvstrata.core.engine.requests import request_of_lock_owner
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER
 from kvstrata.core.wire.protocol import ProtocolError, RequestType, declaration
 
@@ -68,8 +69,9 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
         if tail[1] is not None and len(tail[1]) != rig.layout.num_layers:
             broken("retrieve-payload", f"layer_event_handles must be None (host events) or one handle per layer "
                                        f"({rig.layout.num_layers}); it sent {len(tail[1])}")
-    require(payload[0]["request_id"] == r.request_id, "retrieve-payload",
-            f"the RETRIEVE's key names request {payload[0]['request_id']!r}, the load was {r.request_id!r}")
+    require(request_of_lock_owner(payload[0]["request_id"]) == r.request_id, "retrieve-payload",
+            f"the RETRIEVE's key names request {payload[0]['request_id']!r} (a lock owner: the request id, then "
+            f"'@i' and the instance), the load was {r.request_id!r}")
     require(payload[2] == r.blocks, "retrieve-payload",
             f"the RETRIEVE's block_ids {payload[2]!r} are not the blocks the engine allocated {r.blocks!r}")
     if req.reply is None and not replied:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import zmq
 
+from kvstrata.core.engine.requests import request_of_lock_owner
 from kvstrata.core.wire import codec
 from kvstrata.core.wire.protocol import RequestType
 
@@ -50,10 +51,11 @@ class WireRequest:
 
     @property
     def key_request_id(self) -> str | None:
-        """The ``request_id`` inside a CacheKey payload item (RETRIEVE, STORE, LOOKUP), if any."""
+        """The engine's request id in a CacheKey payload item (RETRIEVE, STORE, LOOKUP), if any: the key's
+        ``request_id`` is its lock owner (``<request id>@i<instance>``), which names the request this way."""
         if isinstance(self.payload, list) and self.payload and isinstance(self.payload[0], dict):
             rid = self.payload[0].get("request_id")
-            return rid if isinstance(rid, str) else None
+            return request_of_lock_owner(rid) if isinstance(rid, str) else None
         return None
 
 

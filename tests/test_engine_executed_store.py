@@ -213,7 +213,7 @@ def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(ser
     from kvstrata.adapters import reference
     from kvstrata.core.adapter_api.plugins import load_adapter
     from kvstrata.core.adapter_api.types import HarnessSpec
-    from kvstrata.core.engine.requests import StoreSpec
+    from kvstrata.core.engine.requests import StoreSpec, lock_owner
     from kvstrata.core.engine.settings import RuntimeSettings
     from kvstrata.core.engine.worker_runtime import UNUSED_RESERVATION_STEPS, WorkerRuntime
     from kvstrata.core.store.keys import pack_tokens
@@ -232,7 +232,8 @@ def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(ser
         runtime.reserve_stores([spec])
         cache.prefill(prompt, src)  # the forward
         runtime.store([spec])
-        assert runtime.transfers.last_store.reserved_ahead and runtime.transfers.last_store.request_id == "s10"
+        last = runtime.transfers.last_store
+        assert last.reserved_ahead and last.request_id == lock_owner("s10", 720)
         assert client.lookup(CacheKey.for_tokens("peek10", prompt, model="ahead")) == TOKENS
         stored = client.server_info()["l1"]["free_bytes"]
         other = StoreSpec("s11", pack_tokens(random_prompt(TOKENS, seed=51)), None, (tuple(src[0]),), 0)

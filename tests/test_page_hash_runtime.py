@@ -16,7 +16,7 @@ import pytest
 from kvstrata.adapters import reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec, lock_owner
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey
@@ -52,7 +52,7 @@ def test_a_prompt_stored_and_loaded_by_page_hashes_reads_back_its_bytes(server: 
         cache.clear(dst)
         rid = f"l-{placement}"
         # the scheduler side's LOOKUP, which locks the chunks for the load (the RETRIEVE releases them)
-        key = CacheKey.for_page_hashes(rid, hashes, BS, model="pages")
+        key = CacheKey.for_page_hashes(lock_owner(rid, settings.instance_id), hashes, BS, model="pages")
         assert runtime.client.lookup(key) == len(prompt)  # the store is keyed by the hashes alone
         runtime.start_loads([LoadSpec(rid, rid, b"", None, tuple(tuple(g) for g in dst), 0, 1, hashes, BS)])
         deadline = time.monotonic() + 30

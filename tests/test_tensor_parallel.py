@@ -18,6 +18,7 @@ from kvstrata.adapters import reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.record import read_record
+from kvstrata.core.engine.requests import lock_owner
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
@@ -143,10 +144,11 @@ def test_each_ranks_locks_are_its_own(tp, server: Any) -> None:
     assert ask(scheduler, "tp-lock", prompt) == 128
     probe = CacheClient(server.address, timeout=10)
     try:
-        # Both ranks' LOOKUPs hold locks under their own owner ids; freeing rank 0's leaves rank 1's.
-        assert probe.free_lookup_locks("tp-lock@tp0/2") > 0
-        assert probe.free_lookup_locks("tp-lock@tp0/2") == 0
-        assert probe.free_lookup_locks("tp-lock@tp1/2") > 0
+        # Both ranks' LOOKUPs hold locks under their own owner ids (instances 500 and 501); freeing rank 0's
+        # leaves rank 1's.
+        assert probe.free_lookup_locks(lock_owner("tp-lock", 500)) > 0
+        assert probe.free_lookup_locks(lock_owner("tp-lock", 500)) == 0
+        assert probe.free_lookup_locks(lock_owner("tp-lock", 501)) > 0
     finally:
         probe.close()
     scheduler.finished("tp-lock")

@@ -88,7 +88,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def _key(self, owner: str, page_hash: str) -> Any:
         return shard_key(owner, self.model, b"", None, rank=self.rank, world_size=self.world_size,
-                         page_hashes=(page_hash,), page_size=self.page_size)
+                         instance_id=self.settings.instance_id, page_hashes=(page_hash,),
+                         page_size=self.page_size)
 
     def _held(self, owners: Sequence[str], keys: Sequence[str]) -> list[bool]:
         """Which pages the server holds (page i locked for ``owners[i]`` until its END_SESSION or RETRIEVE)."""
@@ -111,7 +112,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
 
     def _end_session(self, owner: str) -> None:
-        owner = lock_owner(owner, self.rank, self.world_size)
+        owner = lock_owner(owner, self.settings.instance_id + self.rank)
         try:
             with self._client_lock:
                 self.client.transport.send_oneway(RequestType.END_SESSION, [owner])

@@ -103,7 +103,8 @@ class LayerLoader:
     def _key(self, request_id: str, page_hashes: Sequence[str]) -> Any:
         r = self.runtime
         return shard_key(request_id, r.model, b"", None, rank=r.rank, world_size=r.world_size,
-                         page_hashes=tuple(page_hashes), page_size=self.page_size)
+                         instance_id=r.settings.instance_id, page_hashes=tuple(page_hashes),
+                         page_size=self.page_size)
 
     def _lookup_pages(self, request_id: str, page_hashes: Sequence[str]) -> int | None:
         """Whole pages of ``page_hashes`` the server holds, locked for ``request_id``; None if it did not answer."""
@@ -138,7 +139,7 @@ class LayerLoader:
 
     def _end_session(self, request_id: str) -> None:
         """Release ``request_id``'s lookup locks (fire and forget: a lost release only delays an eviction)."""
-        owner = lock_owner(request_id, self.runtime.rank, self.runtime.world_size)
+        owner = lock_owner(request_id, self.runtime.instance_id)
         try:
             self.client.transport.send_oneway(RequestType.END_SESSION, [owner])
         except Exception as exc:  # only a closed client raises here

@@ -7,9 +7,12 @@ its connector metadata between its processes), so both are plain frozen values.
 Every kvstrata key belongs to one tensor-parallel shard: the model, the world
 size and the rank are hashed into each chunk's key, so each rank stores and
 loads only its own heads. A request's lookup locks on the server are held by a
-*lock owner*; with more than one rank each rank's key has its own owner, so one
-rank freeing its locks after its copy never unpins a chunk another rank is
-still copying.
+*lock owner*, the request id namespaced by the rank's registered instance id
+(:func:`lock_owner`): each rank's key has its own owner, so one rank freeing its
+locks after its copy never unpins a chunk another rank is still copying, and
+two engines sharing a server (whose instance ids differ) never free each
+other's locks when their request ids collide (TensorRT-LLM numbers requests
+from 1 in every engine; vLLM takes ids from its clients).
 """
 
 from __future__ import annotations
@@ -132,20 +135,31 @@ class StoreSpec:
     page_size: int = 0
 
 
-def lock_owner(request_id: str, rank: int, world_size: int) -> str:
-    """The id a rank's key carries on the server (its lookup locks' owner): the request id itself on one rank."""
-    return request_id if world_size == 1 else f"{request_id}@tp{rank}/{world_size}"
+def lock_owner(request_id: str, instance_id: int) -> str:
+    """The id a rank's key carries on the server (its lookup locks' owner): the request id, then ``@i`` and the
+    rank's registered instance id (``RuntimeSettings.instance_id`` + rank). Request ids may contain anything;
+    the instance id is digits after the last ``@i``, so no two (request, instance) pairs share an owner."""
+    return f"{request_id}@i{int(instance_id)}"
 
 
-def shard_key(request_id: str, model: str, tokens: bytes, salt: str | None, *, rank: int,
-              world_size: int, page_hashes: tuple[str, ...] | None = None, page_size: int = 0) -> CacheKey:
-    """The key of one rank's shard of a prompt (by its token ids, or by the engine's page hashes if given)."""
-    return CacheKey(lock_owner(request_id, rank, world_size), model, world_size, rank, tokens, salt,
+def request_of_lock_owner(owner: str) -> str:
+    """The request id a :func:`lock_owner` string was made from (``owner`` itself if it is not one)."""
+    head, sep, tail = owner.rpartition("@i")
+    return head if sep and tail.isdigit() else owner
+
+
+def shard_key(request_id: str, model: str, tokens: bytes, salt: str | None, *, rank: int, world_size: int,
+              instance_id: int, page_hashes: tuple[str, ...] | None = None, page_size: int = 0) -> CacheKey:
+    """The key of one rank's shard of a prompt (by its token ids, or by the engine's page hashes if given).
+    ``instance_id``: the engine's (``RuntimeSettings.instance_id``); rank ``rank`` registers it plus ``rank``."""
+    return CacheKey(lock_owner(request_id, instance_id + rank), model, world_size, rank, tokens, salt,
                     page_hashes, page_size)
 
 
-def shard_keys(request: PromptRequest, num_tokens: int, model: str, world_size: int) -> list[CacheKey]:
+def shard_keys(request: PromptRequest, num_tokens: int, model: str, world_size: int,
+               instance_id: int) -> list[CacheKey]:
     """Every rank's key for the first ``num_tokens`` tokens of ``request`` (rank order)."""
     tokens = pack_tokens(list(request.token_ids[:num_tokens]))
-    return [shard_key(request.request_id, model, tokens, request.salt, rank=r, world_size=world_size)
+    return [shard_key(request.request_id, model, tokens, request.salt, rank=r, world_size=world_size,
+                      instance_id=instance_id)
             for r in range(world_size)]

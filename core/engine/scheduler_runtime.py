@@ -114,7 +114,7 @@ class SchedulerRuntime:
         if pending is None:
             if time.monotonic() < self._down_until:
                 return 0  # the server just failed to answer: compute, and try again after the back-off
-            keys = shard_keys(request, loadable, self.model, self.world_size)
+            keys = shard_keys(request, loadable, self.model, self.world_size, self.settings.instance_id)
             futures = [self.client.transport.submit(RequestType.LOOKUP, [k.to_wire()]) for k in keys]
             self._lookups[rid] = _Pending(futures, time.monotonic())
             return None
@@ -223,7 +223,7 @@ class SchedulerRuntime:
     # --- locks -------------------------------------------------------------------------
 
     def _owners(self, rid: str) -> list[str]:
-        return [lock_owner(rid, r, self.world_size) for r in range(self.world_size)]
+        return [lock_owner(rid, self.settings.instance_id + r) for r in range(self.world_size)]
 
     def _free_locks(self, rid: str) -> None:
         for owner in self._owners(rid):

@@ -219,7 +219,8 @@ class WorkerRuntime:
             return
         for spec in loads:
             key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                            world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
+                            world_size=self.world_size, instance_id=self.settings.instance_id,
+                            page_hashes=spec.page_hashes, page_size=spec.page_size)
             located = spec.located[self.rank] if spec.located and self.rank < len(spec.located) else None
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                            layers_per_stage=spec.layers_per_stage, running=running,
@@ -410,7 +411,8 @@ class WorkerRuntime:
 
     def _shard_key(self, spec: StoreSpec) -> CacheKey:
         return shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                         world_size=self.world_size, page_hashes=spec.page_hashes, page_size=spec.page_size)
+                         world_size=self.world_size, instance_id=self.settings.instance_id,
+                         page_hashes=spec.page_hashes, page_size=spec.page_size)
 
     def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
         """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""

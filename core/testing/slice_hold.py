@@ -13,7 +13,8 @@ the same hold works in this process (worker placement), in a ``kvstrata serve``
 child (server placement) and in an engine's spawned processes:
 
 * ``rules.json``: what to hold, written by the test (``SliceHold.hold``);
-* ``held-<request>``: written by the copying side when it starts holding;
+* ``held-<request>``: written by the copying side when it starts holding (the engine runtimes name a
+  copy by its key's lock owner, ``<request>@i<instance>``; the test's side finds it by the request id);
 * ``open-<request or rule prefix>``: written by the test (``SliceHold.open``).
 
 Ways to install it, none reachable from production code:
@@ -32,6 +33,7 @@ the transfer go on (the assertion that needed the hold then fails on its own).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -42,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
+
+from kvstrata.core.engine.requests import request_of_lock_owner
 
 log = logging.getLogger("kvstrata.testing.slice_hold")
 
@@ -97,16 +101,32 @@ class SliceHold:
         return rule
 
     def open(self, name: str) -> None:
-        """Let the held transfer of request ``name`` go on (or every transfer of the rule with that prefix)."""
+        """Let the held transfer of request ``name`` go on (or every transfer of the rule with that prefix), and
+        the one named by a lock owner of that request."""
         (self.directory / f"open-{_file_name(name)}").touch()
+        held = self._held_file(name)
+        if held is not None:
+            (self.directory / f"open-{held.name[len('held-'):]}").touch()
 
     def open_all(self) -> None:
         """Let every transfer any rule holds, or will hold, go on (tear-down)."""
         for rule in self._read_rules():
             self.open(rule.prefix)
 
+    def _held_file(self, name: str) -> Path | None:
+        """The marker of the held transfer ``name``: that exact name, or a lock owner made from it
+        (``name@i<instance>``, how the engine runtimes name their copies); None while nothing is held."""
+        exact = self.directory / f"held-{_file_name(name)}"
+        if exact.exists():
+            return exact
+        for path in self.directory.glob(f"held-{glob.escape(_file_name(name))}@i*"):
+            if request_of_lock_owner(path.name[len("held-"):]) == _file_name(name):
+                return path
+        return None
+
     def is_held(self, request_id: str) -> bool:
-        return (self.directory / f"held-{_file_name(request_id)}").exists()
+        """Whether the transfer named ``request_id`` (or a lock owner of that request) is held."""
+        return self._held_file(request_id) is not None
 
     def wait_held(self, request_id: str, timeout: float = 60.0) -> None:
         """Block until the copying side holds ``request_id`` (bounded: only catches a hang)."""
@@ -118,7 +138,10 @@ class SliceHold:
 
     def held_at(self, request_id: str) -> int:
         """How many slices the held transfer had published when it stopped."""
-        return int((self.directory / f"held-{_file_name(request_id)}").read_text())
+        path = self._held_file(request_id)
+        if path is None:
+            raise FileNotFoundError(f"transfer {request_id} is not held")
+        return int(path.read_text())
 
     # --- the copying side --------------------------------------------------------------------
 
@@ -185,7 +208,9 @@ class SliceHold:
 
 
 def _engine_waited(record_path: str | None, request_id: str) -> bool:
-    """True once the record shows a ``wait_for_layer_load`` with ``request_id`` among the transfers in flight."""
+    """True once the record shows a ``wait_for_layer_load`` with ``request_id`` among the transfers in flight.
+    The copy is named by its key's lock owner, the record by the engine's request id: either matches."""
+    request_id = request_of_lock_owner(request_id)
     try:
         with open(record_path) as f:
             for line in f:

@@ -25,6 +25,7 @@ import torch
 from kvstrata.adapters.trtllm.harness import standin
 from kvstrata.adapters.trtllm.settings import ENV_VAR
 from kvstrata.core.engine.record import read_record
+from kvstrata.core.engine.requests import lock_owner
 from kvstrata.core.testing.slice_hold import SliceHold
 
 MAX_NEW = 4
@@ -142,7 +143,7 @@ def test_gpu_outputs_byte_exact(gpu_server, monkeypatch, tmp_path, world: int, a
     # thread, so a held load would delay the ones queued after it.)
     hold = SliceHold(tmp_path / "hold")
     rid = str(warm_ids[-1])
-    hold_name = rid if world == 1 else f"{rid}@tp0/{world}"  # a rank's key is its own lock owner
+    hold_name = lock_owner(rid, 0)  # rank 0's key: its lock owner (instance 0 + rank 0), not rank 1's
     hold.hold(hold_name, after_slices=1)
     with hold.installed():
         try:

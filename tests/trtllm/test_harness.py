@@ -20,6 +20,7 @@ from kvstrata.adapters.trtllm.harness import standin
 from kvstrata.adapters.trtllm.harness.executor import Executor, LlmRequestState
 from kvstrata.adapters.trtllm.harness.model import TinyConfig
 from kvstrata.core.engine.record import read_record
+from kvstrata.core.engine.requests import lock_owner
 from kvstrata.core.testing.slice_hold import SliceHold
 
 CFG = TinyConfig()
@@ -223,8 +224,8 @@ def test_abort_while_loading_is_reported_so_no_rank_waits(server, deploy, tmp_pa
             hold.hold("6002", after_slices=1)
             ex.add_request(6002, p, MAX_NEW)
             ex.step()  # matched (n, True): parked, its loads start on both ranks
-            for rank in (0, 1):  # each rank's key (and transfer) is its own: 6002@tp<rank>/2
-                hold.wait_held(f"6002@tp{rank}/2", BOUND)
+            for rank in (0, 1):  # each rank's key (and transfer) is its own: owned by instance 0 + rank
+                hold.wait_held(lock_owner("6002", rank), BOUND)
             ex.abort(6002)
             for _ in range(3):
                 ex.step()
