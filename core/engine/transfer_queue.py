@@ -224,10 +224,11 @@ class TransferQueue:
             awaiting_release: list[QueuedLoad] = []
             self._hurry.clear()  # an engine still waiting says so again (its layer wait keeps asking)
             for load in slice_order(ready, self.policy):
-                self._wait_for_room(self._slice_bytes(load))
+                nbytes = self._slice_bytes(load)
+                self._wait_for_room(nbytes)
                 if awaiting_release:
                     self._hand_over_releases(awaiting_release)
-                self._enqueue_next_slice(load)
+                self._enqueue_next_slice(load, nbytes)
                 if load.error is not None or load.next_slice >= len(load.slices):
                     self._enqueued.put(load)
                 elif load.next_slice == 1 and load.first_completion is not None and not load.gate.released:
@@ -248,7 +249,8 @@ class TransferQueue:
         load.slices = planner.layer_slices(self.layout.num_layers, load.layers_per_stage)
         load.record.planned_at = time.perf_counter()
 
-    def _enqueue_next_slice(self, load: QueuedLoad) -> None:
+    def _enqueue_next_slice(self, load: QueuedLoad, nbytes: int) -> None:
+        """Enqueue ``load``'s next slice (``nbytes``, from :meth:`_slice_bytes`) and record its completion."""
         start, count = load.slices[load.next_slice]
         try:
             if load.gate.failure:  # the engine gave up on this load: write no further slice
@@ -263,17 +265,16 @@ class TransferQueue:
                 load.record.last_slice_at = time.perf_counter()
             load.last_completion = completion
             if self.enqueue_ahead_bytes is not None:
-                self._queued_ahead.append((completion, self._slice_bytes(load, count)))
-                self._queued_ahead_bytes += self._queued_ahead[-1][1]
+                self._queued_ahead.append((completion, nbytes))
+                self._queued_ahead_bytes += nbytes
             load.gate.record_slice(start, count, completion)
             planner.slice_published(load.request_id, load.next_slice - 1)
         except BaseException as exc:  # noqa: BLE001
             self._stop(load, exc)
 
-    def _slice_bytes(self, load: QueuedLoad, count: int | None = None) -> int:
-        """Bytes one slice of ``load`` copies: ``count`` layers, by default those of its next slice."""
-        if count is None:
-            count = load.slices[load.next_slice][1]
+    def _slice_bytes(self, load: QueuedLoad) -> int:
+        """Bytes ``load``'s next slice copies."""
+        count = load.slices[load.next_slice][1]
         return self.layout.kv_size * count * load.job.num_tokens * self.layout.token_bytes_per_layer
 
     def _wait_for_room(self, nbytes: int) -> None:
