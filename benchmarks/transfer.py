@@ -16,7 +16,9 @@ In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
    every layer landed, from the arrival board or the reply, whichever comes
    first; also when the reply itself resolved (``reply_ms``), and the GPU-side
    view (when the engine's stream saw the first and the last layer land); the
-   store path against the raw GPU-to-host copy.
+   store path against the raw GPU-to-host copy;
+4. SGLang's offload path through the SGLang adapter's loader, after a forward
+   stand-in still computing when the offload is called (``sglang_offload``).
 
 Writes a JSON result (``--out``) with the GPU name, versions and date, and
 evaluates the issue's targets on the primary mode. Run it as the README in
@@ -453,6 +455,104 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     return out
 
 
+SGLANG_PAGE = 64
+"""The SGLang offload phase's page size (SGLang's ``--page-size``; kvstrata's linker needs whole pages)."""
+
+
+class _OffloadOnlyCounter:
+    """SGLang's layer counter for a loader that only offloads: a load reaching it is a benchmark bug."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+
+    def reset(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the offload benchmark queues no load, yet the loader called the counter's {name}")
+
+
+def measure_sglang_offload(tokens: int, chunk: int, reps: int, forward_ms: list[float]) -> dict[str, Any]:
+    """SGLang's offload path, through the SGLang adapter's own loader (SGLang does not install here): per-layer
+    K/V buffers shaped as SGLang's, a forward stand-in on its own stream that computes for about ``forward_ms``
+    (matmuls) and then writes every page, SGLang's two offload-ready events (``record_offload_ready``: the
+    current stream, the forward stream), then ``LayerLoader.offload`` with them, as SGLang's write-through does
+    while the forward may still run. The store's time runs from the moment the loader's wait for those events
+    returned to COMMIT_STORE's reply, as ``store_reserved_ahead_ms`` does; ``reserve_wait_ms`` is how long the
+    store still waited for its RESERVE_STORE (sent before the wait) then."""
+    import hashlib
+
+    from kvstrata.adapters.sglang import hooks as sglang_hooks
+    from kvstrata.adapters.sglang.kv_layout import SglangKVBuffers
+    from kvstrata.adapters.sglang.loader import LayerLoader, synchronize_events
+    from kvstrata.core.adapter_api.plugins import load_adapter
+    from kvstrata.core.engine.settings import RuntimeSettings
+    from kvstrata.core.engine.worker_runtime import WorkerRuntime
+    from kvstrata.core.testing.server_process import ServerProcess
+
+    layers, heads, dim = 32, 8, 128
+
+    def planes() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(layers))
+
+    kv = SglangKVBuffers(planes(), planes(), SGLANG_PAGE)
+    nbytes = 2 * layers * tokens * heads * dim * 2
+    slots = torch.arange(tokens, device="cuda")
+    fill = torch.randn(tokens, heads, dim, device="cuda").to(torch.bfloat16)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        mm_ms = statistics.median(gpu_time(lambda: torch.mm(a, a, out=b), forward, 10))
+    out: dict[str, Any] = {"engine_format": "sglang per-layer k_buffer/v_buffer", "page_size": SGLANG_PAGE,
+                           "bytes": nbytes, "matmul_ms": round(mm_ms, 4), "by_forward_ms": {}}
+    with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING") as srv:
+        settings = RuntimeSettings.from_mapping({"server_address": srv.address, "placement": "worker",
+                                                 "instance_id": 90}, where="benchmarks/transfer.py")
+        runtime = WorkerRuntime(load_adapter(sglang_hooks, check_engine=False), settings, model="sglang-offload")
+        runtime.register(kv)
+        loader = LayerLoader(runtime, _OffloadOnlyCounter(layers), page_size=SGLANG_PAGE,
+                             wait_for_offload_inputs=synchronize_events)
+        n = 0
+        try:
+            for fms in [forward_ms[0], *forward_ms]:  # the first pass warms up and is dropped
+                rows = []
+                for _ in range(reps):
+                    n += 1
+                    hashes = [hashlib.sha256(f"offload-{n}-{i}".encode()).hexdigest()
+                              for i in range(tokens // SGLANG_PAGE)]
+                    with torch.cuda.stream(forward):
+                        for _ in range(round(fms / mm_ms)):
+                            torch.mm(a, a, out=b)
+                        for t in kv.planes():  # the forward writes the pages last
+                            t.copy_(fill)
+                    indices_ready = torch.cuda.Event()
+                    indices_ready.record()
+                    kv_written = torch.cuda.Event()
+                    kv_written.record(forward)
+                    t0 = time.perf_counter()
+                    loader.offload(hashes, slots, [indices_ready, kv_written])
+                    deadline = time.monotonic() + 60
+                    while loader.num_completed_offloads() == 0:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("an offload did not complete within 60 s")
+                        time.sleep(0.0002)
+                    if not loader.pop_completed_offload():
+                        raise RuntimeError("an offload failed (see the log)")
+                    st = runtime.transfers.last_store
+                    if not st.reserved_ahead:
+                        raise RuntimeError("the offload's store did not use the reservation made before its wait")
+                    rows.append({"store_ms": (st.committed_at - st.started_at) * 1e3,
+                                 "reserve_wait_ms": (st.reserved_at - st.started_at) * 1e3,
+                                 "copy_ms": (st.copied_at - st.reserved_at) * 1e3,
+                                 "commit_ms": (st.committed_at - st.copied_at) * 1e3,
+                                 "offload_call_to_commit_ms": (st.committed_at - t0) * 1e3})
+                out["by_forward_ms"][str(fms)] = {k: stats([r[k] for r in rows]) for k in rows[0]}
+        finally:
+            loader.close()
+    return out
+
+
 def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
     h2d = raw["h2d_pinned_ms"]["median"]
     d2h = raw["d2h_pinned_ms"]["median"]
@@ -525,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="",
                    help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-executed "
                         "phase), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
-                        "rings_ab (only the engine-executed worker with shared-memory rings)")
+                        "rings_ab (only the engine-executed worker with shared-memory rings), sglang_offload "
+                        "(SGLang's offload path)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
@@ -535,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
                         "replies|none (what its client attaches), space separated; e.g. "
                         "--ab 'poll_5=--busy-poll-ms 5' --ab no_defer=--no-deferred-replies "
                         "--ab no_mailbox=rings=rings (repeatable)")
+    p.add_argument("--offload-forward-ms", default="0,5",
+                   help="sglang_offload phase: the forward stand-in's compute before it writes the pages, per arm "
+                        "(0: the pages' write alone, so little of the reservation is hidden)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = p.parse_args(argv)
     variants = [parse_ab(spec) for spec in args.ab]
@@ -580,8 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("engine_executed_rings", lambda: measure_server(
             modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
             worker_rings=True)))
+    if "sglang_offload" not in skip:  # SGLang's write-through: the reservation sent before the forward ends
+        phases.append(("sglang_offload", lambda: measure_sglang_offload(
+            args.tokens, args.chunk, args.reps, [float(x) for x in args.offload_forward_ms.split(",")])))
     for name, fn in phases:
-        if name.split("_")[0] in skip:
+        if name.split("_")[0] in skip or name in skip:
             continue
         t = time.perf_counter()
         try:
@@ -596,6 +703,16 @@ def main(argv: list[str] | None = None) -> int:
     if "raw" in result and "engine_executed" in result:
         result["engine_executed_targets"] = evaluate_engine_executed(result["raw"], result["engine_executed"],
                                                                      result.get(primary))
+        if "sglang_offload" in result:
+            d2h = result["raw"]["d2h_pinned_ms"]["median"]
+            for fms, row in result["sglang_offload"]["by_forward_ms"].items():
+                st = row["store_ms"]["median"]
+                result["engine_executed_targets"][f"store_sglang_offload_forward{fms}ms_vs_raw"] = {
+                    "value": round(st / d2h, 4), "limit": ENGINE_EXECUTED_TARGETS["store_vs_raw"],
+                    "met": bool(st / d2h <= ENGINE_EXECUTED_TARGETS["store_vs_raw"]),
+                    "detail": f"SGLang's offload after a {fms} ms forward stand-in: from its wait's end to "
+                              f"COMMIT_STORE {st:.2f} ms (still waiting for RESERVE_STORE "
+                              f"{row['reserve_wait_ms']['median']:.3f} ms) vs raw D2H {d2h:.2f} ms"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, sort_keys=False)
@@ -677,6 +794,13 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
     for name, t in result.get("engine_executed_targets", {}).items():
         print(f"engine-executed target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}"
               f"{' - ' + t['detail'] if 'detail' in t else ''}")
+    so = result.get("sglang_offload")
+    if so:
+        for fms, row in so["by_forward_ms"].items():
+            print(f"[sglang_offload] forward {fms} ms: store {row['store_ms']['median']:.3f} ms after the wait "
+                  f"(RESERVE_STORE still awaited {row['reserve_wait_ms']['median']:.3f}, copies "
+                  f"{row['copy_ms']['median']:.3f}, COMMIT_STORE {row['commit_ms']['median']:.3f}); offload call "
+                  f"to commit {row['offload_call_to_commit_ms']['median']:.3f} ms")
     for name, err in result.get("errors", {}).items():
         print(f"error in {name}: {err.splitlines()[0]}")
 

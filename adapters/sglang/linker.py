@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 
 from . import hooks
 from .kv_layout import SglangKVBuffers
-from .loader import LayerLoader
+from .loader import LayerLoader, synchronize_events
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class KvstrataLinker(UnifiedCacheLinker):
         runtime.register(buffers)
         self.on_cuda = buffers.device.type == "cuda"
         self.loader = LayerLoader(runtime, self.layer_done_counter, page_size=params.page_size,
-                                  wait_for_offload_inputs=_synchronize if self.on_cuda else None)
+                                  wait_for_offload_inputs=synchronize_events if self.on_cuda else None)
         log.info("kvstrata SGLang linker: %d layers, page %d, rank %d of %d, model %r, server %s", buffers.num_layers,
                  params.page_size, rank, world, model, settings.server_address)
 
@@ -123,7 +123,3 @@ class KvstrataLinker(UnifiedCacheLinker):
     def close(self) -> None:
         self.loader.close()
 
-
-def _synchronize(events: Sequence[Any]) -> None:
-    for event in events:
-        event.synchronize()

@@ -59,6 +59,13 @@ class LoadCounter(Protocol):
     def reset(self) -> None: ...
 
 
+def synchronize_events(events: Sequence[Any]) -> None:
+    """The wait for an offload's inputs on CUDA: block until each of SGLang's offload-ready events (its
+    ``record_offload_ready``: the indices on the scheduler's stream, the pages on the forward stream) is done."""
+    for event in events:
+        event.synchronize()
+
+
 class KvstrataLoadFailed(RuntimeError):
     """A kvstrata load did not land; what SGLang's counter holds for the layers it could not complete."""
 
