@@ -548,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "engine-executed worker: its cost is recorded)")
     p.add_argument("--stream-pad", type=int, default=0, help="diagnostic: pool streams taken before each "
                    "engine-executed arm's copier (see build_rig)")
+    p.add_argument("--first-use", choices=("placements", "reversed"), default="placements",
+                   help="diagnostic: the order the arms' first transfers (the byte checks) run in, which is the "
+                        "order their lazily grown staging buffers and token tables are allocated in; the arms "
+                        "are created in --placements order either way")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
     args = p.parse_args(argv)
@@ -590,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
-                   "pool_gib": args.pool_gib, "stream_pad": args.stream_pad,
+                   "pool_gib": args.pool_gib, "stream_pad": args.stream_pad, "first_use": args.first_use,
                    "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
                             "bf16 random weights",
                    "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
@@ -629,8 +633,9 @@ def main(argv: list[str] | None = None) -> int:
                         result["store_s"] = round(time.perf_counter() - t, 2)
                     else:  # fill this format's cache (the resident arm reads it), untimed
                         run_arm(rig, client, model, "server", 0, max_conc, 256)
+                    first_use = placements[::-1] if args.first_use == "reversed" else placements
                     fres["verified"] = {f"{pl}/w{w}": verify(rig, client, model, pl, w, truth, 256)
-                                        for pl in placements for w in sorted({0, 1, max(widths)})}
+                                        for pl in first_use for w in sorted({0, 1, max(widths)})}
                     arms = [(None, None)] + [(pl, w) for pl in placements for w in widths]
                     fres["concurrency_1"] = {}
                     for new in news:

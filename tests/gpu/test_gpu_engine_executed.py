@@ -21,7 +21,7 @@ import torch
 from kvstrata.adapters.vllm import hooks as vllm_hooks
 from kvstrata.adapters.vllm.kv_layout import layer_index
 from kvstrata.core.adapter_api.plugins import load_adapter
-from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec
+from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, lock_owner
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey, pack_tokens
@@ -85,7 +85,7 @@ def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width
     starts from where the LOOKUP found the chunks (``locate="retrieve"``: asks RETRIEVE, as without them)."""
     scheduler = CacheClient(side.settings.server_address)
     try:
-        key = CacheKey(rid, side.model, 1, 0, pack_tokens(tokens), None)
+        key = CacheKey(lock_owner(rid, side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
         reply = scheduler.transport.wait(scheduler.lookup_async(key))
         assert reply["hit_tokens"] == len(tokens)
     finally:

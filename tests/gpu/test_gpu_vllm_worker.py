@@ -20,7 +20,7 @@ import torch
 from kvstrata.adapters.vllm import hooks as vllm_hooks
 from kvstrata.adapters.vllm.kv_layout import layer_index
 from kvstrata.core.adapter_api.plugins import load_adapter
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec, lock_owner
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.wire.client import CacheClient
@@ -64,7 +64,8 @@ def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_releas
         truth = {name: t[src].clone() for name, t in layers.items()}
         for t in layers.values():
             t[dst] = 0
-        assert client.lookup(CacheKey("r", f"vllm-gpu-{physical}", 1, 0, pack_tokens(tokens), None)) == n
+        owner = lock_owner("r", side.instance_id)  # the runtime's loads name the scheduler's locks so
+        assert client.lookup(CacheKey(owner, f"vllm-gpu-{physical}", 1, 0, pack_tokens(tokens), None)) == n
         side.start_loads([LoadSpec("r", "r", pack_tokens(tokens), None, (tuple(dst),), 0, 1)])
         deadline = time.monotonic() + 30
         while True:
