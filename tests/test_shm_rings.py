@@ -385,12 +385,14 @@ def test_a_mailbox_slot_is_read_only_once_its_word_holds_a_wanted_id():
     words = np.frombuffer(server_side.segment.buf, dtype=np.uint64)
     try:
         assert server_side.fill(2, b"reply for 7")
-        assert client_side.scan({7}) == []  # filled, not announced
+        assert client_side.scan({7}) == [] and client_side.announced() == set()  # filled, not announced
         words[server_side.word_offset(2) // 8] = 7  # what the GPU stores when the copies end
         assert client_side.scan({8}) == []  # not one this client waits for (an old transfer's word)
+        assert client_side.announced() == {7}, "announced, whether or not a scan wanted it"
         assert client_side.scan({7, 8}) == [b"reply for 7"]
+        assert client_side.announced() == {7}, "taking a reply leaves its word"
         assert server_side.fill(2, b"reply for 9")  # reused: the word is cleared with the new frame
-        assert client_side.scan({7, 9}) == []
+        assert client_side.scan({7, 9}) == [] and client_side.announced() == set()
         assert not server_side.fill(1, b"x" * 200)  # does not fit a slot
     finally:
         del words
