@@ -72,3 +72,14 @@ def engine_loop(worker: LayerwiseWorker, request_id: str, num_layers: int, timeo
 def random_prompt(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 32000, (n,), generator=g).tolist()
+
+
+def scheduler_lookup(scheduler, rid: str, prompt: list[int]) -> int:
+    """A ``SchedulerRuntime.lookup`` asked again each step until every rank answered (bounded: catches a hang)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while (n := scheduler.lookup(rid, prompt, 0)) is None:
+        assert time.monotonic() < deadline, "the lookup never completed"
+        time.sleep(0.001)
+    return n

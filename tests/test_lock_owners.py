@@ -7,7 +7,6 @@ registered instance id, which the server already requires to differ between engi
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -19,6 +18,8 @@ from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRu
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.wire.client import CacheClient
+
+from helpers import scheduler_lookup
 
 BS = 16
 MODEL = "lock-owners"
@@ -33,12 +34,6 @@ def test_an_owner_names_one_request_of_one_instance_and_gives_the_request_back(r
     assert lock_owner(request_id + "@i3", 4) != lock_owner(request_id, 3)
 
 
-def ask(scheduler: SchedulerRuntime, rid: str, prompt: list[int]) -> int:
-    deadline = time.monotonic() + 30
-    while (n := scheduler.lookup(rid, prompt, 0)) is None:
-        assert time.monotonic() < deadline, "the lookup never completed"
-        time.sleep(0.001)
-    return n
 
 
 def test_an_engine_ending_its_request_leaves_the_locks_of_another_engines_request_of_the_same_id(server: Any):
@@ -54,12 +49,12 @@ def test_an_engine_ending_its_request_leaves_the_locks_of_another_engines_reques
         blocks = cache.allocate(len(prompt))
         cache.prefill(prompt, blocks)
         first = schedulers[0]
-        assert ask(first, "1", prompt) == 0
+        assert scheduler_lookup(first, "1", prompt) == 0
         first.allocated("1", blocks, 0)
         worker.store(first.plan_step([ScheduledRequest("1", 0, len(prompt))], (), block_ids_of=lambda _: blocks).stores)
         first.finished("1")
         # Both engines now ask for their own request "2": each LOOKUP locks the hit under its own owner.
-        assert [ask(s, "2", prompt) for s in schedulers] == [len(prompt), len(prompt)]
+        assert [scheduler_lookup(s, "2", prompt) for s in schedulers] == [len(prompt), len(prompt)]
         schedulers[0].finished("2")  # the first engine's request ends: its END_SESSION frees its locks only
         # END_SESSION is one-way: a call on the same connection is served after it (one connection's quick
         # requests are served in the order they were sent)

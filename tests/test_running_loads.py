@@ -17,16 +17,12 @@ from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
 
+from helpers import scheduler_lookup
+
 LAYERS, BLOCKS, BS = 4, 64, 16
 BOUND = 30.0
 
 
-def ask(scheduler: SchedulerRuntime, rid: str, prompt: list[int]) -> int:
-    deadline = time.monotonic() + BOUND
-    while (n := scheduler.lookup(rid, prompt, 0)) is None:
-        assert time.monotonic() < deadline, "the lookup never completed"
-        time.sleep(0.001)
-    return n
 
 
 def test_a_running_load_is_waited_on_never_handed_back_and_freed_once_settled(tmp_path: Path) -> None:
@@ -41,7 +37,7 @@ def test_a_running_load_is_waited_on_never_handed_back_and_freed_once_settled(tm
             runtime.register(cache.kv_caches)
             prompt = list(range(7000, 7000 + 128))
             src = cache.allocate(len(prompt))
-            assert ask(scheduler, "run-store", prompt) == 0
+            assert scheduler_lookup(scheduler, "run-store", prompt) == 0
             scheduler.allocated("run-store", src, 0)
             cache.prefill(prompt, src)
             truth = [cache.read_layer(src, layer, 128) for layer in range(LAYERS)]
@@ -49,7 +45,7 @@ def test_a_running_load_is_waited_on_never_handed_back_and_freed_once_settled(tm
                                               block_ids_of=lambda _: src).stores)
             scheduler.finished("run-store")
 
-            hit = ask(scheduler, "run-load", prompt)
+            hit = scheduler_lookup(scheduler, "run-load", prompt)
             assert hit == 128
             dst = cache.allocate(len(prompt))
             cache.clear(dst)

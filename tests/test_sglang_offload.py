@@ -112,13 +112,21 @@ def wait_reserved(client: Any, before: int) -> int:
     return now
 
 
-def test_an_offload_reserves_its_objects_while_the_forward_runs_and_stores_into_them(client, offloading):
-    loader, cache, gate = offloading
-    _, hashes, slots = computed_pages(cache, seed=1)
+def offload_held_at_the_forward(client: Any, loader: LayerLoader, cache: Any, gate: ForwardGate,
+                                seed: int) -> tuple[list[str], int]:
+    """Offload fresh pages and return (their hashes, the pool's free bytes before) once the offload waits for
+    its forward (the gate) with its objects reserved."""
+    _, hashes, slots = computed_pages(cache, seed=seed)
     before = free_bytes(client)
     loader.offload(hashes, slots, ready=["forward's event"])
     assert gate.entered.wait(BOUND)
-    wait_reserved(client, before)  # reserved before the forward finished: the gate still holds it
+    wait_reserved(client, before)
+    return hashes, before
+
+
+def test_an_offload_reserves_its_objects_while_the_forward_runs_and_stores_into_them(client, offloading):
+    loader, cache, gate = offloading
+    hashes, _ = offload_held_at_the_forward(client, loader, cache, gate, seed=1)  # the gate still holds it
     assert loader.num_completed_offloads() == 0
     assert client.lookup(CacheKey.for_page_hashes("peek", hashes, BS, model="offload-False")) == 0, \
         "a reservation is not a hit"
@@ -132,11 +140,7 @@ def test_an_offload_reserves_its_objects_while_the_forward_runs_and_stores_into_
 @pytest.mark.parametrize("offloading", [True], indirect=True, ids=["forward-fails"])
 def test_an_offload_whose_forward_fails_gives_its_reservation_back_and_stores_nothing(client, offloading):
     loader, cache, gate = offloading
-    _, hashes, slots = computed_pages(cache, seed=2)
-    before = free_bytes(client)
-    loader.offload(hashes, slots, ready=["forward's event"])
-    assert gate.entered.wait(BOUND)
-    wait_reserved(client, before)
+    hashes, before = offload_held_at_the_forward(client, loader, cache, gate, seed=2)
     gate.finished.set()  # the wait raises
     assert completed(loader) is False
     assert free_bytes(client) == before, "the reservation went back with the failed offload, not 4 steps later"

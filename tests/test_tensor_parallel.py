@@ -24,17 +24,13 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.transfer.torch_executor import plane_view
 
+from helpers import scheduler_lookup
+
 WORLD = 2
 LAYERS, BLOCKS, BS = 4, 64, 16
 MODEL = "tp-model"
 
 
-def ask(scheduler: SchedulerRuntime, rid: str, prompt: list[int]) -> int:
-    deadline = time.monotonic() + 30
-    while (n := scheduler.lookup(rid, prompt, 0)) is None:
-        assert time.monotonic() < deadline, "the lookup never completed"
-        time.sleep(0.001)
-    return n
 
 
 class Rank:
@@ -81,7 +77,7 @@ def tp(server: Any, tmp_path: Path, request: pytest.FixtureRequest):
 def store(scheduler: SchedulerRuntime, ranks: list[Rank], rid: str, prompt: list[int], on: list[int]) -> list:
     """The engine computes ``prompt`` on every rank; the ranks in ``on`` run the step's stores."""
     blocks = ranks[0].cache.allocate(len(prompt))  # the scheduler's block ids hold on every rank
-    assert ask(scheduler, rid, prompt) == 0
+    assert scheduler_lookup(scheduler, rid, prompt) == 0
     scheduler.allocated(rid, blocks, 0)
     plan = scheduler.plan_step([ScheduledRequest(rid, 0, len(prompt))], (), block_ids_of=lambda _: blocks)
     truth = []
@@ -99,10 +95,10 @@ def test_a_hit_is_what_every_ranks_shard_has_and_each_rank_loads_its_own(tp) -> 
     prompt = list(range(1000, 1000 + 128))
     truth = store(scheduler, ranks, "tp-store-0", prompt, on=[0])
     # Only rank 0 stored: the scheduler must not report a hit rank 1 cannot load.
-    assert ask(scheduler, "tp-probe-1", prompt) == 0
+    assert scheduler_lookup(scheduler, "tp-probe-1", prompt) == 0
     scheduler.finished("tp-probe-1")
     truth = store(scheduler, ranks, "tp-store-1", prompt, on=[1])
-    hit = ask(scheduler, "tp-load", prompt)
+    hit = scheduler_lookup(scheduler, "tp-load", prompt)
     assert hit == 128
     dst = [list(range(40, 48))]
     for r in ranks:
@@ -141,7 +137,7 @@ def test_each_ranks_locks_are_its_own(tp, server: Any) -> None:
     scheduler, ranks, _ = tp
     prompt = list(range(5000, 5000 + 128))
     store(scheduler, ranks, "tp-lock-store", prompt, on=[0, 1])
-    assert ask(scheduler, "tp-lock", prompt) == 128
+    assert scheduler_lookup(scheduler, "tp-lock", prompt) == 128
     probe = CacheClient(server.address, timeout=10)
     try:
         # Both ranks' LOOKUPs hold locks under their own owner ids (instances 500 and 501); freeing rank 0's
