@@ -218,9 +218,7 @@ class WorkerRuntime:
                 self._unloadable[spec.request_id] = ([list(g) for g in spec.block_ids], "server not reachable")
             return
         for spec in loads:
-            key = shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
-                            world_size=self.world_size, instance_id=self.settings.instance_id,
-                            page_hashes=spec.page_hashes, page_size=spec.page_size)
+            key = self._shard_key(spec)
             located = spec.located[self.rank] if spec.located and self.rank < len(spec.located) else None
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                            layers_per_stage=spec.layers_per_stage, running=running,
@@ -409,7 +407,8 @@ class WorkerRuntime:
             self.stats.bump(stores=1)
             self.record.write("stored", request_id=spec.request_id, rank=self.rank, **reply)
 
-    def _shard_key(self, spec: StoreSpec) -> CacheKey:
+    def _shard_key(self, spec: LoadSpec | StoreSpec) -> CacheKey:
+        """This rank's key of a load's or a store's prompt (the same key: a load reads what a store wrote)."""
         return shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                          world_size=self.world_size, instance_id=self.settings.instance_id,
                          page_hashes=spec.page_hashes, page_size=spec.page_size)

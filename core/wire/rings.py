@@ -254,21 +254,24 @@ class Mailbox(SlotRing):
         self._write_slot(index + 1, frame)
         return True
 
+    def _slot_words(self) -> np.ndarray:
+        """Every slot's word (a view): 0, or the request id a device stored there."""
+        first = CONTROL_HEADER_BYTES // 8
+        return self._words[first:first + self.slots * (self.slot_bytes // 8):self.slot_bytes // 8]
+
     def announced(self) -> set[int]:
         """Reader: the request ids devices have stored in slot words so far (a slot's word is cleared only when
         the server fills it again), whether or not a poll took them before their ZMQ reply came."""
         if self._closed:
             return set()
-        first = CONTROL_HEADER_BYTES // 8
-        words = self._words[first:first + self.slots * (self.slot_bytes // 8):self.slot_bytes // 8]
+        words = self._slot_words()
         return {int(words[i]) for i in np.flatnonzero(words)}
 
     def scan(self, wanted: Any) -> list[bytes]:
         """Reader: the frames of slots whose word holds one of ``wanted`` (request ids), read consistently."""
         if self._closed:
             return []
-        first = CONTROL_HEADER_BYTES // 8
-        words = self._words[first:first + self.slots * (self.slot_bytes // 8):self.slot_bytes // 8]
+        words = self._slot_words()
         out = []
         for index in np.flatnonzero(words):
             value = int(words[index])
