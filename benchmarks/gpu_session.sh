@@ -24,11 +24,10 @@ if [[ ",$phases," == *",tests,"* ]]; then
   timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider --timeout 60 \
     > "$out/gpu-tests.log" 2>&1 || rc=1
   tail -3 "$out/gpu-tests.log"
-  if [[ $rc != 0 ]]; then grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20; if [[ ",$phases," == *",ttft,"* ]]; then
-  timeout "${TTFT_TIMEOUT_S:-540}" python3 benchmarks/ttft.py ${TTFT_ARGS:-} --out "$out/ttft.json" > "$out/ttft.txt" 2>&1 || rc=1
-  tail -40 "$out/ttft.txt"
-fi
-exit $rc; fi
+  if [[ $rc != 0 ]]; then
+    grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20
+    exit $rc
+  fi
 fi
 if [[ ",$phases," == *",profile,"* ]]; then
   timeout 150 python3 benchmarks/profile_retrieve.py --reps 7 --widths 0,1,32 --out "$out/profile-retrieve.json" \

@@ -118,9 +118,15 @@ def copy_priority(placement: str) -> tuple[str, int | None]:
     return split_suffix(placement, PRIORITY_SUFFIXES)
 
 
+TWIN_SUFFIX = "-twin"
+"""An engine-executed placement ending in ``-twinN`` (``worker-twin2``) is its base's settings under another name:
+identical arms, for the arm-to-arm spread's diagnosis."""
+
+
 def locates_by_lookup(placement: str) -> bool:
     """Whether an engine-executed arm starts its loads from the LOOKUP's locations (see :data:`LOCATE_SUFFIX`)."""
-    return not placement.startswith("server") and not placement.endswith(LOCATE_SUFFIX)
+    base, _ = numbered_suffix(placement, TWIN_SUFFIX)
+    return not base.startswith("server") and not base.endswith(LOCATE_SUFFIX)
 
 
 BASE_PLACEMENTS = ("server", "worker", "worker-rr")
@@ -146,9 +152,10 @@ class ArmSettings:
 
 def arm_settings(placement: str) -> ArmSettings:
     """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-aheadN``,
-    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve`` (any may be left out). A name
+    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
     that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
-    base, priority = copy_priority(placement.removesuffix(LOCATE_SUFFIX))
+    base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
+    base, priority = copy_priority(base.removesuffix(LOCATE_SUFFIX))
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
     base, handover = handover_slices(base)
@@ -158,7 +165,7 @@ def arm_settings(placement: str) -> ArmSettings:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
                          "go in the order -norings/-rings, -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
                          "-retrieve)")
-    if base == "server" and ((ctas, buffers, priority, handover, ahead) != (None,) * 5
+    if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin) != (None,) * 6
                              or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-executed arms only")
     return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead)
@@ -279,6 +286,100 @@ class ProbingBackend:
         return getattr(self.inner, name)
 
 
+class CopyProbe:
+    """Wraps an engine-executed copier's CUDA extension: while ``marks`` is set, each copy-engine copy and each
+    scatter launch is bracketed by timing events on its own stream, so a run shows per slice when the copy stream
+    started and finished a piece, and when the kernel stream had its staging filled and finished scattering it.
+
+    A diagnostic of where an arm's load under compute loses time; it adds two event records per call (a few
+    microseconds of host time each), so probed runs are not the ones the targets are judged on."""
+
+    def __init__(self, ext: Any, copy_stream: int | None) -> None:
+        self.ext = ext
+        self.copy_stream = copy_stream
+        self.marks: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
+        self._streams: dict[int, torch.cuda.ExternalStream] = {}
+
+    def _bracket(self, kind: str, stream: int, call: Any, *args: Any) -> Any:
+        if self.marks is None:
+            return call(*args)
+        s = self._streams.get(stream)
+        if s is None:
+            s = self._streams[stream] = torch.cuda.ExternalStream(stream)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(s)
+        out = call(*args)
+        b.record(s)
+        self.marks.setdefault(kind, []).append((a, b))
+        return out
+
+    def memcpy2d_runs(self, rows: int, n: int, index: int, stream: int) -> Any:
+        kind = "h2d" if stream == self.copy_stream else "direct"
+        return self._bracket(kind, stream, self.ext.memcpy2d_runs, rows, n, index, stream)
+
+    def copy(self, *args: Any) -> Any:
+        return self._bracket("scatter" if args[0] else "gather", args[-1], self.ext.copy, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ext, name)
+
+
+def copy_summary(copies: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """What one probed run's brackets say (ms from the run's start): the copy engine's busy time per piece and the
+    gaps between pieces, and how long each piece's scatter ended after its copy did."""
+    h2d, scatter = copies.get("h2d", []), copies.get("scatter", [])
+    out: dict[str, Any] = {"pieces": len(h2d)}
+    if h2d:
+        out["h2d_first_start_ms"] = round(h2d[0][0], 3)
+        out["h2d_last_end_ms"] = round(h2d[-1][1], 3)
+        out["h2d_busy_ms"] = round(sum(b - a for a, b in h2d), 3)
+        out["h2d_gaps_ms"] = round(sum(max(0.0, h2d[i + 1][0] - h2d[i][1]) for i in range(len(h2d) - 1)), 3)
+        out["h2d_ms_per_piece"] = [round(b - a, 3) for a, b in h2d]
+    if scatter:
+        out["scatter_last_end_ms"] = round(scatter[-1][1], 3)
+        out["scatter_busy_ms"] = round(sum(b - a for a, b in scatter), 3)
+        out["scatter_ms_per_piece"] = [round(b - a, 3) for a, b in scatter]
+        if len(scatter) == len(h2d):
+            out["scatter_end_after_h2d_end_ms"] = [round(s[1] - h[1], 3) for s, h in zip(scatter, h2d)]
+    return out
+
+
+def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int) -> dict[str, Any]:
+    """``--probe-copies``: each engine-executed arm at width 1, ``reps`` times, with its copies bracketed."""
+    out: dict[str, Any] = {}
+    for placement, worker in rig.workers.items():
+        e = copier_engine(worker)
+        if e is None:
+            continue
+        probe = CopyProbe(e.ext, e.copy_stream.cuda_stream if e.copy_stream is not None else None)
+        e.ext = probe
+        try:
+            runs = [run_arm(rig, client, model, placement, 1, 1, new, probe=probe) for _ in range(reps)]
+        finally:
+            e.ext = probe.ext
+        out[placement] = {"ttft_ms": [round(r["ttft_ms"][0], 3) for r in runs],
+                          "transfer_ms": [round(r["transfer_ms"][0], 3) for r in runs if "transfer_ms" in r],
+                          "copies": [copy_summary(r["copies"]) for r in runs]}
+    return out
+
+
+def copier_engine(worker: Any) -> Any:
+    """An engine-executed arm's ``CudaTransferEngine`` (None for the server's arms, which copy in its process)."""
+    copier = getattr(worker, "_copier", None)
+    return None if copier is None else copier.engine
+
+
+def prewarm(engine: Any, what: str, slice_bytes: int) -> None:
+    """Diagnostic (``--prewarm``): allocate an arm's lazily grown token table and/or staging buffers now, on its
+    copier's kernel stream, instead of at its first transfer on the enqueuing thread's stream."""
+    with torch.cuda.stream(engine.stream):
+        if what in ("tables", "both"):
+            engine.release_table(engine._lease_table(1 << 15, 3 << 15))
+        if what in ("staging", "both"):
+            for b in range(engine.config.staging_buffers):
+                engine.staging(b, min(slice_bytes, engine.config.staging_bytes))
+
+
 # --- one engine format, its workers and runs --------------------------------------------
 
 
@@ -308,9 +409,10 @@ class FormatRig:
 
 
 def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
-              chunk: int, instance_base: int, stream_pad: int = 0):
+              chunk: int, instance_base: int, stream_pad: int = 0, prewarm_what: str = "none"):
     """``stream_pad``: take that many more streams from torch's pool before each engine-executed arm's copier
-    takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said)."""
+    takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said).
+    ``prewarm_what``: see :func:`prewarm` ("none" in every recorded run but where said)."""
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
@@ -356,6 +458,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
+        if prewarm_what != "none" and copier_engine(worker) is not None:
+            prewarm(copier_engine(worker), prewarm_what, 2 * prefix * s.kv_heads * s.head * 2)
         rig.workers[placement], rig.backends[placement] = worker, backend
     return rig
 
@@ -389,8 +493,9 @@ _run_ids = iter(range(1 << 30))
 
 
 def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
-            timeline: bool = False) -> dict[str, Any]:
-    """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer)."""
+            timeline: bool = False, probe: CopyProbe | None = None) -> dict[str, Any]:
+    """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer). With
+    ``probe`` (the arm's :class:`CopyProbe`), the timeline also has each copy and scatter bracket."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.store.keys import CacheKey
 
@@ -417,6 +522,8 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     torch.cuda.synchronize()
     if timeline and backend is not None:
         backend.probe = marks["arrived"]
+    if probe is not None:
+        probe.marks = {}
     t0 = time.perf_counter()
     t0_ev.record(stream)
     if backend is not None:
@@ -498,6 +605,10 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         if backend is not None:
             backend.probe = None
         out["timeline"] = {k: [t0_ev.elapsed_time(e) for e in v] for k, v in marks.items()}
+    if probe is not None:
+        out["copies"] = {k: [(t0_ev.elapsed_time(a), t0_ev.elapsed_time(b)) for a, b in v]
+                         for k, v in probe.marks.items()}
+        probe.marks = None
     return out
 
 
@@ -552,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnostic: the order the arms' first transfers (the byte checks) run in, which is the "
                         "order their lazily grown staging buffers and token tables are allocated in; the arms "
                         "are created in --placements order either way")
+    p.add_argument("--prewarm", choices=("none", "tables", "staging", "both"), default="none",
+                   help="diagnostic: allocate each engine-executed arm's token table and/or staging buffers on its "
+                        "copier's kernel stream right after it registers, before any transfer")
+    p.add_argument("--probe-copies", type=int, default=0, metavar="REPS",
+                   help="diagnostic: after each size's runs at one request, run every engine-executed arm at "
+                        "width 1 REPS more times with its copies and scatters bracketed by timing events")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
     args = p.parse_args(argv)
@@ -595,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": args.pool_gib, "stream_pad": args.stream_pad, "first_use": args.first_use,
+                   "prewarm": args.prewarm, "probe_copies": args.probe_copies,
                    "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
                             "bf16 random weights",
                    "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
@@ -610,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             for f_index, fmt in enumerate(formats):
                 t_fmt = time.perf_counter()
                 rig = build_rig(fmt, client, s, prompts, args.prefix, placements, args.chunk, 10 * (f_index + 1),
-                                stream_pad=args.stream_pad)
+                                stream_pad=args.stream_pad, prewarm_what=args.prewarm)
                 try:
                     fres: dict[str, Any] = {"register_s": rig.register_s, "streams": rig.streams}
                     if truth is None:  # store every request's prefix once (the server's objects are format-free)
@@ -653,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
                                    **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
                                       if "last_enqueued_ms" in rs[0] else {})}
                             for name, rs in runs.items()}
+                        if args.probe_copies:
+                            fres.setdefault("probed", {})[str(new)] = probe_arms(rig, client, model, new,
+                                                                                 args.probe_copies)
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
                                                 for pl in placements if pl in ("server", "worker", "worker-ahead0")}
