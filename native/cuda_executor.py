@@ -877,7 +877,11 @@ class CudaLocalCopier:
     the vLLM format and at times SGLang's; more buffers, or normal against highest priority, did not move
     that beyond it (``h200-2026-12-02-session9``, README). Which arm is slow follows the order the benchmark
     creates the arms in, not the pool streams they get nor the 2 MiB alignment of what they copy through
-    (``h200-2026-12-02-session10``, runs 4-5); what decides it is not known yet.
+    (``h200-2026-12-02-session10``, runs 4-5). The slow arm's extra time is the copy engine's own: its
+    host-to-staging copies run about 5% slower while the engine computes, in both staging buffers, and the scatter
+    kernel and the gaps between copies are unchanged; allocating the token table and staging buffers on the kernel
+    stream at registration does not move it (``h200-2026-12-03-session12``, run 1). What decides it is not known
+    yet.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
