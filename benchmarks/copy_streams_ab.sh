@@ -13,6 +13,31 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
 python3 -c "from kvstrata.native import cuda_ext; cuda_ext.load()" || exit 1
+# idle GPU: one pinned 1 GiB host-to-device copy on one stream, against the same bytes halved onto two streams
+python3 - <<'PY' | tee "$out/raw.txt"
+import torch
+n = 1 << 30
+src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+streams = [torch.cuda.Stream() for _ in range(2)]
+def timed(parts):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    cur = torch.cuda.current_stream()
+    step = n // parts
+    for i in range(parts):
+        streams[i].wait_stream(cur)
+        with torch.cuda.stream(streams[i]):
+            dst[i * step:(i + 1) * step].copy_(src[i * step:(i + 1) * step], non_blocking=True)
+        cur.wait_stream(streams[i])
+    end.record(); end.synchronize()
+    return start.elapsed_time(end)
+for parts in (1, 2, 1, 2):
+    timed(parts)
+for parts in (1, 2):
+    ms = sorted(timed(parts) for _ in range(7))[3]
+    print(f"raw H2D 1 GiB on {parts} stream(s): {ms:.2f} ms, {n / ms / 1e6:.1f} GB/s (median of 7)")
+PY
 arms="${AB_ARMS:-server,worker,worker-copystreams2,worker-copystreams2-twin1,worker-twin1}"
 for fmt in ${AB_FORMATS:-trtllm vllm-LBNHC sglang}; do
   for order in placements reversed; do
