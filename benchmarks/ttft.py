@@ -20,8 +20,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
   default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
-  two); ``-copystreamsN`` (``worker-copystreams2``) splits each piece's copies across N copy streams (the default
-  is one); ``-aheadN`` (``worker-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
+  two); ``-aheadN`` (``worker-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
   landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``worker-handover1``)
   has its transfer queue, after a load's release, wait until the engine's layer waits took N of its slices
   before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``worker-priohigh``) runs its copy
@@ -94,11 +93,6 @@ def scatter_ctas(placement: str) -> tuple[str, int | None]:
     return numbered_suffix(placement, "-ctas")
 
 
-def copy_streams(placement: str) -> tuple[str, int | None]:
-    """(the placement without a ``-copystreamsN`` suffix, N or None: the copier's default number of copy streams)."""
-    return numbered_suffix(placement, "-copystreams")
-
-
 def staging_buffers(placement: str) -> tuple[str, int | None]:
     """(the placement without a ``-bufsN`` suffix, N or None: the copier's default number of staging buffers)."""
     return numbered_suffix(placement, "-bufs")
@@ -150,7 +144,6 @@ class ArmSettings:
     handover: int | None = None
     ahead: int | None = None
     """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
-    copy_streams: int | None = None
 
     def enqueue_ahead_bytes(self, default: int) -> int | None:
         """``LayerwiseWorker``'s ``enqueue_ahead_bytes`` for this arm (None: no bound)."""
@@ -159,12 +152,10 @@ class ArmSettings:
 
 def arm_settings(placement: str) -> ArmSettings:
     """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-aheadN``,
-    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-copystreamsN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any
-    may be left out). A name
+    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
     that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
     base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
     base, priority = copy_priority(base.removesuffix(LOCATE_SUFFIX))
-    base, streams = copy_streams(base)
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
     base, handover = handover_slices(base)
@@ -172,12 +163,12 @@ def arm_settings(placement: str) -> ArmSettings:
     base, rings = ring_setting(base)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -norings/-rings, -aheadN, -handoverN, -bufsN, -ctasN, -copystreamsN, "
-                         "-prio0/-priohigh, -retrieve, -twinN)")
-    if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin, streams) != (None,) * 7
+                         "go in the order -norings/-rings, -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
+                         "-retrieve)")
+    if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin) != (None,) * 6
                              or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-executed arms only")
-    return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead, streams)
+    return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead)
 
 
 @dataclass(frozen=True)
@@ -303,9 +294,9 @@ class CopyProbe:
     A diagnostic of where an arm's load under compute loses time; it adds two event records per call (a few
     microseconds of host time each), so probed runs are not the ones the targets are judged on."""
 
-    def __init__(self, ext: Any, copy_streams: list[int]) -> None:
+    def __init__(self, ext: Any, copy_stream: int | None) -> None:
         self.ext = ext
-        self.copy_streams = set(copy_streams)
+        self.copy_stream = copy_stream
         self.marks: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
@@ -323,7 +314,7 @@ class CopyProbe:
         return out
 
     def memcpy2d_runs(self, rows: int, n: int, index: int, stream: int) -> Any:
-        kind = "h2d" if stream in self.copy_streams else "direct"
+        kind = "h2d" if stream == self.copy_stream else "direct"
         return self._bracket(kind, stream, self.ext.memcpy2d_runs, rows, n, index, stream)
 
     def copy(self, *args: Any) -> Any:
@@ -360,7 +351,7 @@ def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int)
         e = copier_engine(worker)
         if e is None:
             continue
-        probe = CopyProbe(e.ext, [cs.cuda_stream for cs in e.copy_streams])
+        probe = CopyProbe(e.ext, e.copy_stream.cuda_stream if e.copy_stream is not None else None)
         e.ext = probe
         try:
             runs = [run_arm(rig, client, model, placement, 1, 1, new, probe=probe) for _ in range(reps)]
@@ -440,11 +431,9 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     for n, placement in enumerate(placements):
         arm = arm_settings(placement)
         base, rings = arm.base, arm.rings
-        config = None if (arm.ctas, arm.priority, arm.buffers, arm.copy_streams) == (None,) * 4 \
-            else CudaTransferConfig(
+        config = None if (arm.ctas, arm.priority, arm.buffers) == (None, None, None) else CudaTransferConfig(
             max_ctas=arm.ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
             staging_buffers=arm.buffers or CudaTransferConfig.staging_buffers,
-            copy_streams=arm.copy_streams or CudaTransferConfig.copy_streams,
             stream_priority=ENGINE_COPY_PRIORITY if arm.priority is None else arm.priority)
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
@@ -487,7 +476,6 @@ def note_copiers(rig: FormatRig) -> None:
         host, _, dev = e._pool_range
         rig.streams[placement] = {"kernel": e.stream.stream_id,
                                   "copy": e.copy_stream.stream_id if e.copy_stream is not None else None,
-                                  "copy_streams": [cs.stream_id for cs in e.copy_streams],
                                   "pool_host": host, "pool_dev": dev, "staging": [b.data_ptr() for b in e._staging],
                                   "tables": [slot.dev.data_ptr() for slot in e._table_slots]}
 

@@ -88,18 +88,12 @@ class CudaTransferConfig:
     stream_priority: int = 0
     """Of the copy and kernel streams (lower is higher; -1 is the highest). Normal (0) for a server's copies and
     for an engine's own (:data:`ENGINE_COPY_PRIORITY`)."""
-    copy_streams: int = 1
-    """Staged mode: how many copy streams each piece's host-to-staging copies are split across (:func:`split_jobs`).
-    The driver ties a stream to one of the GPU's copy engines when the stream's first copy reaches it, and an
-    application cannot choose which; splitting a piece across streams takes several engines whichever they are."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.max_ctas < 0 or self.staging_bytes <= 0 or self.staging_buffers < 2 or self.copy_streams < 1:
-            raise ValueError("max_ctas must be >= 0, staging_bytes > 0, staging_buffers >= 2 and copy_streams >= 1, "
-                             f"got {self.max_ctas}, {self.staging_bytes}, {self.staging_buffers}, "
-                             f"{self.copy_streams}")
+        if self.max_ctas < 0 or self.staging_bytes <= 0 or self.staging_buffers < 2:
+            raise ValueError("max_ctas must be >= 0, staging_bytes > 0 and staging_buffers >= 2")
 
 
 def _vec_bytes(*values: int) -> int:
@@ -234,55 +228,6 @@ def plan_dma(rows: Sequence[tuple[int, int, int]] | np.ndarray) -> np.ndarray:
     return np.asarray(jobs, dtype=np.int64).reshape(-1, 6)
 
 
-STRIPE_ALIGN = 4096
-"""Where :func:`split_jobs` may cut a one-row job: whole pages, so no copy engine reads a page another also reads."""
-
-
-def split_jobs(jobs: Sequence[Sequence[int]], parts: int) -> list[list[tuple[int, int, int, int, int, int]]]:
-    """Split copy-engine jobs (``dst, dpitch, src, spitch, width, height`` rows) into at most ``parts`` groups of
-    about equal bytes, to run on as many copy streams at once.
-
-    A 2D job is cut between its rows, a one-row job at a page boundary (:data:`STRIPE_ALIGN`); the groups
-    together move exactly the bytes of ``jobs``, each byte once. Fewer groups come back where the jobs cannot be
-    cut that finely (a job of fewer rows than parts, a run shorter than the pages asked for); never an empty one.
-    """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    rows = [tuple(int(v) for v in j) for j in jobs]
-    total = sum(j[4] * j[5] for j in rows)
-    if parts == 1 or total == 0:
-        return [rows] if rows else []
-    groups: list[list[tuple[int, int, int, int, int, int]]] = [[]]
-    filled = 0  # bytes of the groups closed so far plus the open one
-    for d, dp, src, sp, w, h in rows:
-        while h:
-            target = total * len(groups) // parts  # where the open group should end
-            room = target - filled
-            if room <= 0 and len(groups) < parts:
-                groups.append([])
-                continue
-            if len(groups) == parts or w * h <= room:
-                groups[-1].append((d, dp, src, sp, w, h))
-                filled += w * h
-                break
-            if h > 1:
-                take = max(1, min(h - 1, -(-room // w)))  # rows, rounding up so groups are not left tiny
-                groups[-1].append((d, dp, src, sp, w, take))
-                filled += w * take
-                d, src, h = d + dp * take, src + sp * take, h - take
-                continue
-            cut = -(-room // STRIPE_ALIGN) * STRIPE_ALIGN
-            if cut >= w:  # too short to cut at a page: keep it whole
-                groups[-1].append((d, dp, src, sp, w, h))
-                filled += w
-                break
-            groups[-1].append((d, cut, src, cut, cut, 1))
-            filled += cut
-            d, src, w = d + cut, src + cut, w - cut
-            dp = sp = w
-    return [g for g in groups if g]
-
-
 @dataclass
 class _TableSlot:
     """A pinned host area for a transfer's descriptors and block table, and the device buffer they are
@@ -342,11 +287,8 @@ class CudaTransferEngine:
         with torch.cuda.device(device_index):
             priority = self.config.stream_priority
             self.stream = torch.cuda.Stream(device_index, priority=priority)
-            self.copy_streams = [torch.cuda.Stream(device_index, priority=priority)
-                                 for _ in range(self.config.copy_streams)] if self.config.mode == "staged" else []
-        # the first copy stream also carries every store's staging-to-host copies
-        self.copy_stream = self.copy_streams[0] if self.copy_streams else None
-        self._copy_handles = [cs.cuda_stream for cs in self.copy_streams]
+            self.copy_stream = torch.cuda.Stream(device_index, priority=priority) \
+                if self.config.mode == "staged" else None
         L, kv = layout.num_layers, layout.kv_size
         addrs = [self.regions[r].data_ptr() + off for per_kv in layout.offsets for (r, off) in per_kv]
         self._plane_addrs = np.asarray(addrs, dtype=np.uint64)
@@ -364,17 +306,15 @@ class CudaTransferEngine:
         self._piece = 0
         if self.config.mode == "staged":
             with torch.cuda.device(device_index):
-                # Per staging buffer: `_idle[b]` marks everything that touched it so far, `_filled[b][s]`
-                # the hand-over between copy stream s and the kernel stream inside one piece.
+                # Per staging buffer: `_idle[b]` marks everything that touched it so far, `_filled[b]`
+                # the hand-over between the copy stream and the kernel stream inside one piece.
                 # Used through their raw handles (see `_event`).
                 n = self.config.staging_buffers
                 self._idle = [self._event() for _ in range(n)]
-                self._filled = [[self._event() for _ in self.copy_streams] for _ in range(n)]
+                self._filled = [self._event() for _ in range(n)]
             self._idle_h = [ev.cuda_event for ev in self._idle]
-            self._filled_h = [[ev.cuda_event for ev in per_stream] for per_stream in self._filled]
-            # one packed copy-engine job per copy stream (under _stage_lock)
-            self._job_rows = [np.zeros(6, dtype=np.int64) for _ in self.copy_streams]
-            self._job_row = self._job_rows[0]
+            self._filled_h = [ev.cuda_event for ev in self._filled]
+            self._job_row = np.zeros(6, dtype=np.int64)  # one packed copy-engine job (under _stage_lock)
             self._job_row_addr = self._job_row.ctypes.data
             self._used = [False] * n
         self._table_slots: list[_TableSlot] = []
@@ -416,8 +356,7 @@ class CudaTransferEngine:
         if buf.numel() < nbytes:
             with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                for cs in self.copy_streams:  # used there too: freeing must wait for every stream
-                    buf.record_stream(cs)
+                buf.record_stream(self.copy_stream)  # used there too: freeing must wait for both streams
             self._staging[which] = buf
         return buf
 
@@ -500,27 +439,10 @@ class CudaTransferEngine:
         return dev, host, tokens
 
     def synchronize(self) -> None:
-        """Block until every copy enqueued so far, on every stream, is complete."""
-        for cs in self.copy_streams:
-            cs.synchronize()
+        """Block until every copy enqueued so far, on both streams, is complete."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
         self.stream.synchronize()
-
-    def split_piece(self, rows: int, n_rows: int, keep: Any) -> list[tuple[int, int, Any]]:
-        """A piece's copy-engine jobs as returned by ``_piece_jobs``, split for the copy streams (call under
-        ``_stage_lock``): one ``(rows address, n, what keeps them alive)`` per stream that gets any."""
-        parts = len(self.copy_streams)
-        if parts == 1:
-            return [(rows, n_rows, keep)]
-        jobs = self._job_row.tolist() if keep is None else keep.tolist()
-        groups = split_jobs([jobs] if keep is None else jobs, parts)
-        if all(len(g) == 1 for g in groups):  # the usual case: one 2D job cut between its rows
-            out = []
-            for s, (job,) in enumerate(groups):
-                struct.pack_into("<6q", self._job_rows[s], 0, *job)
-                out.append((self._job_rows[s].ctypes.data, 1, None))
-            return out
-        arrays = [np.asarray(g, dtype=np.int64) for g in groups]
-        return [(a.ctypes.data, len(a), a) for a in arrays]
 
     def close(self) -> None:
         """Wait for queued copies, then release staging, regions and this engine's pin of the pool."""
@@ -835,25 +757,22 @@ class CudaExecutor:
             return
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
-        kernel_s = e.stream.cuda_stream
+        copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(layer_start, layer_count, per_layer):
                 b = e._piece % len(e._used)
                 e._piece += 1
                 stage = e.staging(b, per_layer * count).data_ptr()
-                parts = e.split_piece(*self._piece_jobs(job, first, count, stage, to_device=True))
-                # copy streams: host -> staging (each waits until whatever used this buffer last is done);
+                rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
+                # copy stream: host -> staging (waits until whatever used this buffer last is done);
                 # issued before the token table is built, so the first bytes move at once
-                for s, (rows, n_rows, _keep) in enumerate(parts):
-                    copy_s = e._copy_handles[s]
-                    if e._used[b]:
-                        e.ext.stream_wait_event(copy_s, e._idle_h[b])
-                    e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                    e.ext.event_record(e._filled_h[b][s], copy_s)
+                if e._used[b]:
+                    e.ext.stream_wait_event(copy_s, e._idle_h[b])
+                e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
+                e.ext.event_record(e._filled_h[b], copy_s)
                 table, vec = self._table(job, 0, count)
                 # kernel stream: staging -> engine layout, overlapping the next piece's copy
-                for s in range(len(parts)):
-                    e.ext.stream_wait_event(kernel_s, e._filled_h[b][s])
+                e.ext.stream_wait_event(kernel_s, e._filled_h[b])
                 self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
                 e.ext.event_record(e._idle_h[b], kernel_s)
                 e._used[b] = True
@@ -877,8 +796,8 @@ class CudaExecutor:
                 if e._used[b]:
                     e.ext.stream_wait_event(kernel_s, e._idle_h[b])
                 self._launch(False, table, vec, n_tok, first, count, count, 0, src_base=stage)
-                e.ext.event_record(e._filled_h[b][0], kernel_s)
-                e.ext.stream_wait_event(copy_s, e._filled_h[b][0])
+                e.ext.event_record(e._filled_h[b], kernel_s)
+                e.ext.stream_wait_event(copy_s, e._filled_h[b])
                 e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
                 e.ext.event_record(e._idle_h[b], copy_s)
                 e._used[b] = True

@@ -27,12 +27,8 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("worker-handover1-prio0", ttft.ArmSettings("worker", priority=0, handover=1)),
     ("worker-ahead0", ttft.ArmSettings("worker", ahead=0)),
     ("worker-ahead256-prio0", ttft.ArmSettings("worker", priority=0, ahead=256)),
-    ("worker-copystreams2", ttft.ArmSettings("worker", copy_streams=2)),
-    ("worker-copystreams2-twin1", ttft.ArmSettings("worker", copy_streams=2)),
     ("worker-norings-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
      ttft.ArmSettings("worker", -1, 66, 3, False, 2, 64)),
-    ("worker-norings-ahead64-handover2-bufs3-ctas66-copystreams3-priohigh-retrieve",
-     ttft.ArmSettings("worker", -1, 66, 3, False, 2, 64, 3)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected

@@ -15,7 +15,7 @@ import pytest
 
 from kvstrata.core.transfer import planner
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.native.cuda_executor import STRIPE_ALIGN, CudaExecutor, plan_dma, split_jobs
+from kvstrata.native.cuda_executor import CudaExecutor, plan_dma
 
 from helpers import SMALL_32
 
@@ -72,52 +72,3 @@ def test_piece_jobs_equal_the_general_plan(gap: int, to_device: bool) -> None:
             assert ex._tables[("dma", 1, to_device)].__class__ is tuple  # the packed one-row path was taken
     finally:
         cache.close()
-
-
-def moved_bytes(jobs) -> list[tuple[int, int]]:
-    """Every (dst, src) byte pair a job list moves, one entry per byte, in no particular order."""
-    out = []
-    for d, dp, src, sp, w, h in jobs:
-        for i in range(h):
-            out.extend(zip(range(d + i * dp, d + i * dp + w), range(src + i * sp, src + i * sp + w)))
-    return out
-
-
-SPLIT_CASES = {
-    "one 2D job": [(1 << 20, 8192, 1 << 30, 65536, 8192, 118)],
-    "one 2D job, fewer rows than parts": [(0, 4096, 1 << 30, 8192, 4096, 2)],
-    "one run": [(1 << 20, 40960, 1 << 30, 40960, 40960, 1)],
-    "a run shorter than a page": [(0, 1000, 1 << 30, 1000, 1000, 1)],
-    "mixed": [(0, 512, 1 << 30, 2048, 512, 7), (1 << 16, 12288, (1 << 30) + (1 << 20), 12288, 12288, 1),
-              (1 << 18, 256, (1 << 31), 1024, 256, 3)],
-}
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
-def test_split_jobs_moves_every_byte_once_in_about_equal_groups(case: str, parts: int) -> None:
-    jobs = SPLIT_CASES[case]
-    groups = split_jobs(jobs, parts)
-    assert 1 <= len(groups) <= parts and all(groups)
-    assert sorted(moved_bytes([j for g in groups for j in g])) == sorted(moved_bytes(jobs))
-    sizes = [sum(w * h for *_, w, h in g) for g in groups]
-    total = sum(sizes)
-    # the finest cut: a row of a 2D job, a page of a run
-    unit = max([STRIPE_ALIGN] + [w for *_, w, h in jobs if h > 1])
-    if case in ("one 2D job", "one run", "mixed"):
-        # the groups are as even as those cuts allow, and every part is used
-        assert len(groups) == parts, sizes
-        assert max(sizes) - min(sizes) <= 2 * unit, sizes
-    assert total == sum(w * h for *_, w, h in jobs)
-
-
-def test_split_jobs_cuts_a_2d_job_between_rows_and_a_run_at_pages() -> None:
-    (a,), (b,) = split_jobs([(100, 8192, 1000, 65536, 4096, 10)], 2)
-    assert a == (100, 8192, 1000, 65536, 4096, 5) and b == (100 + 5 * 8192, 8192, 1000 + 5 * 65536, 65536, 4096, 5)
-    (c,), (d,) = split_jobs([(0, 10 * STRIPE_ALIGN + 5, 1 << 30, 10 * STRIPE_ALIGN + 5, 10 * STRIPE_ALIGN + 5, 1)], 2)
-    assert c[4] % STRIPE_ALIGN == 0 and c[4] + d[4] == 10 * STRIPE_ALIGN + 5 and d[0] == c[4]
-
-
-def test_split_jobs_refuses_no_parts() -> None:
-    with pytest.raises(ValueError, match="parts"):
-        split_jobs([(0, 1, 0, 1, 1, 1)], 0)

@@ -197,39 +197,6 @@ def test_any_number_of_staging_buffers_moves_the_same_bytes(l1, buffers):
     l1.abandon(obj)
 
 
-@pytest.mark.parametrize("streams", [2, 3])
-@pytest.mark.parametrize("fmt,dtype", FORMAT_CASES)
-def test_pieces_split_across_copy_streams_move_the_same_bytes(l1, fmt, dtype, streams):
-    """Each piece's host-to-staging copies split across ``copy_streams`` streams; one-layer staging buffers make
-    every width many pieces, each buffer reused while the other streams' copies may still run. The store after
-    them (on the first copy stream) reads what the loads wrote."""
-    nb = -(-TOKENS // 16)
-    cache = make_cache(fmt, dtype, num_blocks=(len(WIDTHS) + 2) * nb + 4)
-    one_layer = cache.kv_size * TOKENS * cache.layout.token_bytes_per_layer
-    engine = make_engine(cache, l1, "staged", staging_bytes=one_layer, copy_streams=streams,
-                         direct_copy_min_run=1 << 62)
-    truth = cache.random_kv(TOKENS, seed=hash((fmt, dtype, streams)) & 0xFFFF)
-    objects = store_objects(l1, cache, truth)
-    for i, width in enumerate([0] + WIDTHS):
-        dst = shuffled_blocks(i * nb, nb, seed=40 + i)
-        cache.poison(dst)
-        planner.run_transfer(engine.executor(objects), retrieve_job(cache, objects, dst), width)
-        engine.synchronize()
-        assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:]), f"{streams} copy streams, width {width}"
-        assert (cache.read(dst, 0, SKIP) == 0xA5).all(), f"width {width} wrote skipped tokens"
-    assert len(engine.copy_streams) == streams
-    src = shuffled_blocks((len(WIDTHS) + 1) * nb, nb, seed=50)
-    cache.write(truth, src)
-    torch.cuda.synchronize()
-    obj = l1.reserve(os.urandom(16), TOKENS, cache.layout.object_bytes(TOKENS), cache.layout.shape_signature())
-    view = l1.object_view(obj)
-    view.fill_(0x5A)
-    engine.executor([view]).gather(planner.TransferJob(cache.layout, [src], [planner.ChunkCopy(0, 0, TOKENS, 0)]))
-    engine.synchronize()
-    assert view.equal(truth.cpu()), f"{streams} copy streams: the store differs"
-    l1.abandon(obj)
-
-
 def test_unpinned_objects_are_refused_with_a_clear_error(l1):
     from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
 
