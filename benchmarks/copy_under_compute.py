@@ -13,11 +13,6 @@ the copier plans them) from one source on one stream into two staging buffers, w
 busy time. Trials run in an order given on the command line, so a source's or stream's first use can be
 placed anywhere.
 
-With ``--scatter`` the trials are whole loads instead: each source ``armN`` is a ``CudaLocalCopier`` of its own
-over its own read-only mapping of the segment (as an engine-executed worker has), loading the prefix at width 1
-into a second TensorRT-LLM cache with its staging buffers, scatter kernel, token table and per-slice events, and
-the trial reports the load's span from its first copy to its last scatter.
-
     python benchmarks/copy_under_compute.py --out DIR/copy-under-compute.json
 """
 
@@ -80,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="trials in order: SOURCE or SOURCE/sSTREAM (a stream index; default the source's own)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of the whole order")
     p.add_argument("--new", type=int, default=256, help="new tokens the layers compute")
-    p.add_argument("--scatter", action="store_true", help="whole loads through CudaLocalCopier arms (arm0-arm3)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from ttft import Decoder, Shapes, prefix_reader
@@ -98,21 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     ctypes.memset(seg.address, 7, size)
     sources: dict[str, int] = {}
     keep: list = [seg]
+    for i in range(4):  # read-only mappings of the segment, as an engine maps the server's pool
+        view = Segment.attach(seg.name, size, readonly=True)
+        keep.append(view)
+        sources[f"map{i}"] = ext.host_register(host_address(view.buf), size, 0, True)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    sources["cuda"] = pinned.data_ptr()
     thp_info: dict[str, object] = {}
-    if not args.scatter:
-        for i in range(4):  # read-only mappings of the segment, as an engine maps the server's pool
-            view = Segment.attach(seg.name, size, readonly=True)
-            keep.append(view)
-            sources[f"map{i}"] = ext.host_register(host_address(view.buf), size, 0, True)
-        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        sources["cuda"] = pinned.data_ptr()
-        try:
-            thp_map, thp_addr = thp_anonymous(size)
-            keep.append(thp_map)
-            sources["thp"] = ext.host_register(thp_addr, size, 0, False)
-            thp_info["huge_kb"] = huge_pages_in(thp_addr, size)
-        except Exception as exc:  # noqa: BLE001 - a diagnostic: say what the kernel refused and go on
-            thp_info["error"] = repr(exc)
+    try:
+        thp_map, thp_addr = thp_anonymous(size)
+        keep.append(thp_map)
+        sources["thp"] = ext.host_register(thp_addr, size, 0, False)
+        thp_info["huge_kb"] = huge_pages_in(thp_addr, size)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: say what the kernel refused and go on
+        thp_info["error"] = repr(exc)
     for f in ("enabled", "shmem_enabled"):
         try:
             thp_info[f] = open(f"/sys/kernel/mm/transparent_hugepage/{f}").read().strip()
@@ -120,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             thp_info[f] = repr(exc)
     staging = [torch.empty(objects * KV * piece_row, dtype=torch.uint8, device=dev) for _ in range(2)]
     streams = {name: torch.cuda.Stream() for name in sources}
-    streams.update({f"s{i}": streams[f"map{i}"] for i in range(4) if f"map{i}" in streams})
+    streams.update({f"s{i}": streams[f"map{i}"] for i in range(4)})
 
     s = Shapes()
     cache = GpuKVCache("trtllm", num_layers=LAYERS, num_heads=HEADS, head_size=HEAD, dtype="bfloat16",
@@ -135,48 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             x = model.layer(layer, x, [read(layer)], args.new)
         model.logits(x, 1, args.new)
 
-    arms: dict[str, object] = {}
-    if args.scatter:
-        import warnings
-
-        from kvstrata.core.transfer import planner
-        from kvstrata.native.cuda_executor import CudaLocalCopier
-
-        target = GpuKVCache("trtllm", num_layers=LAYERS, num_heads=HEADS, head_size=HEAD, dtype="bfloat16",
-                            num_blocks=PREFIX // BLOCK + 1, block_size=BLOCK)
-        layout = target.layout
-        obj_bytes = layout.object_bytes(CHUNK)
-        assert obj_bytes * objects == size, (obj_bytes, objects, size)
-        job = planner.TransferJob(layout, [list(range(PREFIX // BLOCK))],
-                                  planner.plan_copies([CHUNK] * objects, CHUNK, 0, 0))
-        spans = [(i * obj_bytes, CHUNK) for i in range(objects)]
-        for i in range(4):  # created in this order; first used in the trials' order
-            view = Segment.attach(seg.name, size, readonly=True)
-            keep.append(view)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a read-only buffer: torch warns it is not writable
-                pool = torch.frombuffer(view.buf, dtype=torch.uint8, count=size)
-            arms[f"arm{i}"] = CudaLocalCopier(layout, target.region_tensors(), pool, 0)
-            sources[f"arm{i}"] = 0
-
-    def load(copier: object, with_compute: bool) -> dict[str, float]:
-        e = copier.engine
-        torch.cuda.synchronize()
-        if with_compute:
-            compute()
-            compute()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(e.copy_stream)
-        executor = copier.executor(spans)
-        planner.run_transfer(executor, job, 1)
-        end.record(e.stream)
-        getattr(executor, "close", lambda: None)()
-        torch.cuda.synchronize()
-        return {"busy_ms": round(start.elapsed_time(end), 3)}
-
     def trial(source: str, stream_name: str, with_compute: bool) -> dict[str, float]:
-        if source in arms:
-            return load(arms[source], with_compute)
         st = streams[stream_name]
         base = sources[source]
         torch.cuda.synchronize()
@@ -231,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({"thp": thp_info, "summary": summary}, indent=1))
-    for copier in arms.values():
-        copier.close()
     seg.destroy()
     return 0
 
