@@ -866,22 +866,15 @@ class CudaLocalCopier:
     process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait makes the
     engine's stream wait on it, and the CPU never blocks on a copy.
 
-    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`): with the engine computing, first-token
-    time was shorter than at the highest priority in 19 of 24 cells of two H200 runs, by up to 2.3 ms at one
-    request (``benchmarks/results/h200-2026-12-02-session8``, runs 6-7); but two arms of identical settings in
-    one later run differed by up to 2.2 ms (``h200-2026-12-02-session9``, runs 3 and 6), so that A/B does
-    not show the priority mattering either way.
+    The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`): the highest measured no better with the
+    engine computing. The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``); more
+    measured no better either.
 
-    The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``). With the engine
-    computing, one engine-executed arm of a run loaded 2 ms slower than another arm of identical settings, in
-    the vLLM format and at times SGLang's; more buffers, or normal against highest priority, did not move
-    that beyond it (``h200-2026-12-02-session9``, README). Which arm is slow follows the order the benchmark
-    creates the arms in, not the pool streams they get nor the 2 MiB alignment of what they copy through
-    (``h200-2026-12-02-session10``, runs 4-5). The slow arm's extra time is the copy engine's own: its
-    host-to-staging copies run about 5% slower while the engine computes, in both staging buffers, and the scatter
-    kernel and the gaps between copies are unchanged; allocating the token table and staging buffers on the kernel
-    stream at registration does not move it (``h200-2026-12-03-session12``, run 1). What decides it is not known
-    yet.
+    Under compute, one copier of a process can load about 5% slower than another of identical settings: its copy
+    engine's host-to-staging time, decided by the order of the copiers' first transfers. Neither its streams
+    (two copy streams a piece change nothing), its staging buffers and token table (allocated at registration),
+    nor the pool's mapping or host page size decide it; copies alone are not slowed by the compute. The
+    measurements are in ``benchmarks/results/h200-2026-12-0[23]-session1[0-3]``; what decides it is not known.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
