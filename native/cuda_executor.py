@@ -874,7 +874,8 @@ class CudaLocalCopier:
     engine's host-to-staging time, decided by the order of the copiers' first transfers. Neither its streams
     (two copy streams a piece change nothing), its staging buffers and token table (allocated at registration),
     nor the pool's mapping or host page size decide it; copies alone are not slowed by the compute. The
-    measurements are in ``benchmarks/results/h200-2026-12-0[23]-session1[0-3]``; what decides it is not known.
+    measurements are in ``benchmarks/results/``, sessions 8 to 13 (priority and buffers in 8-9, the spread in
+    9-13); what decides it is not known.
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
