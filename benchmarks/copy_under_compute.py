@@ -51,7 +51,7 @@ def thp_anonymous(size: int) -> tuple[mmap.mmap, int]:
     return m, addr
 
 
-def huge_pages_in(addr: int, size: int) -> int | None:
+def huge_pages_in(addr: int) -> int | None:
     """AnonHugePages or ShmemPmdMapped kB of the mapping holding ``addr`` (smaps), or None."""
     try:
         lines = open("/proc/self/smaps").read().splitlines()
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         thp_map, thp_addr = thp_anonymous(size)
         keep.append(thp_map)
         sources["thp"] = ext.host_register(thp_addr, size, 0, False)
-        thp_info["huge_kb"] = huge_pages_in(thp_addr, size)
+        thp_info["huge_kb"] = huge_pages_in(thp_addr)
     except Exception as exc:  # noqa: BLE001 - a diagnostic: say what the kernel refused and go on
         thp_info["error"] = repr(exc)
     for f in ("enabled", "shmem_enabled"):
