@@ -40,6 +40,7 @@ is served once and in order, whichever copy comes first.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -56,6 +57,7 @@ from typing import Any, Callable, Literal, get_args
 import zmq
 
 from kvstrata.core.wire import codec
+from kvstrata.core.wire.curve import FLAGS_HINT, HANDSHAKE_EVENTS, ClientCurve, ServerCurve, handshake_hint
 from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
 from kvstrata.core.shm import Segment, SegmentKind
 from kvstrata.core.wire.rings import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
@@ -173,27 +175,73 @@ def default_address() -> str:
 
 
 def ensure_private_dir(directory: str) -> None:
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
+    """Create ``directory`` (mode 0700), or check the one there: it must be a real directory (a symbolic link
+    is not followed), owned by this user, that no group or other user may open.
+
+    Anything else raises PermissionError naming the path and what is wrong with it; nothing is changed to
+    make it fit (a directory someone else could open may already have been used by them).
+    """
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    try:  # O_NOFOLLOW: a symbolic link fails here rather than being followed
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if os.path.islink(directory):
+            raise PermissionError(f"{directory} is a symbolic link (to {os.readlink(directory)}); refusing to "
+                                  "use it for a socket: give a real directory") from None
+        if exc.errno == errno.ENOTDIR:
+            raise PermissionError(f"{directory} is not a directory; refusing to use it for a socket") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{directory} belongs to uid {st.st_uid}, not to this user; refusing to use it")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(directory, 0o700)
+        raise PermissionError(f"{directory} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+                              "refusing to use it for a socket")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise PermissionError(f"{directory} has mode {mode:04o}: group or other users may open it and connect to "
+                              f"a socket inside; refusing to use it (make it private: chmod 700 {directory})")
 
 
-def check_bind_address(address: str, allow_remote: bool = False) -> None:
-    """Refuse to bind anything but loopback TCP or an IPC path unless asked explicitly."""
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+"""The largest frame a server takes (ZMQ_MAXMSGSIZE): libzmq reads a frame's length first and disconnects a
+peer announcing more, so an oversize frame is never read into memory. The largest legitimate frames are a long
+prompt's STORE or RETRIEVE: 8 bytes per token id (or a page hash's characters plus 2 per page) and up to 5 per
+block id per block group, so 64 MiB holds a 4M-token prompt with one block per token (kvstrata serve
+--max-message-bytes raises it, up to the decoder's own limit, ``codec.MAX_FRAME_BYTES``)."""
+
+
+def check_bind_address(address: str, allow_remote: bool = False, *, curve: bool = False) -> None:
+    """Refuse what other users could connect to: an abstract or shared IPC socket, TCP without CURVE
+    (``curve``: the server has CURVE keys), non-loopback TCP unless ``allow_remote``."""
     if address.startswith("ipc://"):
-        ensure_private_dir(os.path.dirname(address[len("ipc://"):]) or ".")
+        path = address[len("ipc://"):]
+        if path.startswith("@") or path.startswith("\0") or path.startswith("\x00"):
+            raise ValueError(f"refusing to bind {address}: an abstract socket (ipc://@NAME) has no file "
+                             "permissions, so any local user could connect; use ipc:///PATH in a private directory")
+        if not path:
+            raise ValueError(f"refusing to bind {address}: no socket path")
+        ensure_private_dir(os.path.dirname(path) or ".")
         return
     if address.startswith("tcp://"):
         host = address[len("tcp://"):].rsplit(":", 1)[0]
-        if host in ("127.0.0.1", "localhost", "[::1]", "::1") or allow_remote:
-            return
-        raise ValueError(
-            f"refusing to bind {address}: only loopback TCP or ipc:// paths are allowed "
-            "by default (pass allow_remote=True / --allow-remote to serve other hosts)"
-        )
+        if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not allow_remote:
+            raise ValueError(
+                f"refusing to bind {address}: only loopback TCP or ipc:// paths are allowed "
+                "by default (pass allow_remote=True / --allow-remote to serve other hosts)"
+            )
+        if not curve:
+            raise ValueError(
+                f"refusing to bind {address} without CURVE keys: any local user (and, with --allow-remote, any "
+                f"host) could connect to a TCP port, so kvstrata serves TCP only to CURVE-authenticated clients. "
+                f"Pass {FLAGS_HINT}; or bind ipc:///PATH in a private directory")
+        return
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
 
 
@@ -352,13 +400,24 @@ class Server:
     """Serves registered handlers on one ROUTER socket until :meth:`stop`."""
 
     def __init__(self, address: str, *, transfer_threads: int = 4, allow_remote: bool = False,
-                 defer_replies: bool = True) -> None:
+                 defer_replies: bool = True, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 curve_secret_key: str | None = None, curve_clients: str | None = None) -> None:
         """``defer_replies``: with busy polling on, the polling thread settles and answers a handler's
         :class:`Deferred`; False has the handler's own thread do it (as without busy polling), for A/B
-        measurements of what deferring is worth."""
+        measurements of what deferring is worth. ``max_message_bytes``: see :data:`DEFAULT_MAX_MESSAGE_BYTES`.
+        ``curve_secret_key`` (the server's ``NAME.key_secret`` file) and ``curve_clients`` (a directory of the
+        authorized clients' ``NAME.key`` files): serve CURVE-authenticated clients only (see
+        :mod:`kvstrata.core.wire.curve`); a tcp:// address requires them."""
         if transfer_threads < 1:
             raise ValueError(f"transfer_threads must be at least 1, got {transfer_threads}")
-        check_bind_address(address, allow_remote)
+        if not 1 <= max_message_bytes <= codec.MAX_FRAME_BYTES:
+            raise ValueError(f"max_message_bytes must be in [1, {codec.MAX_FRAME_BYTES}], got {max_message_bytes}")
+        curve = bool(curve_secret_key or curve_clients)
+        check_bind_address(address, allow_remote, curve=curve)
+        self._curve = ServerCurve.load(curve_secret_key, curve_clients) if curve else None
+        self._auth: Any = None
+        """The CURVE authenticator (a zmq.auth ThreadAuthenticator) while serving with CURVE."""
+        self.max_message_bytes = max_message_bytes
         self.address = address
         self.transfer_threads = transfer_threads
         self._handlers: dict[RequestType, Handler] = {}
@@ -416,9 +475,11 @@ class Server:
             raise ProtocolError(f"no handler registered for {', '.join(missing)}")
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a longer frame: libzmq drops the peer unread
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
+            if self._curve is not None:
+                self._auth = self._curve.apply(router, self._ctx)  # before the bind: no client unchecked
             old_umask = os.umask(0o077)  # the IPC socket file is private to this user
             try:
                 router.bind(self.address)
@@ -426,6 +487,9 @@ class Server:
                 os.umask(old_umask)
         except BaseException:
             router.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
             raise
         if self.address.endswith(":0"):
             self.address = router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -455,6 +519,9 @@ class Server:
             for peer in peers:  # every transfer has been settled above: no device writes a mailbox now
                 peer.mail_free = list(range(peer.mailbox.slots)) if peer.mailbox is not None else []
                 peer.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -834,10 +901,15 @@ class Server:
 class Client:
     """Sends requests from the caller's thread; replies resolve futures on one I/O thread."""
 
-    def __init__(self, address: str, *, default_timeout: float = 30.0, rings: RingSetting = "all") -> None:
-        """``rings``: what :meth:`attach_rings` attaches (see :data:`RingSetting`)."""
+    def __init__(self, address: str, *, default_timeout: float = 30.0, rings: RingSetting = "all",
+                 curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
+        """``rings``: what :meth:`attach_rings` attaches (see :data:`RingSetting`). ``curve_server_key`` (the
+        server's public ``NAME.key`` file) and ``curve_client_key`` (this client's ``NAME.key_secret`` file):
+        connect with CURVE, as a kvstrata server on tcp:// requires (see :mod:`kvstrata.core.wire.curve`)."""
         if rings not in RING_SETTINGS:
             raise ValueError(f"rings must be one of {RING_SETTINGS}, got {rings!r}")
+        self._curve = ClientCurve.load(curve_server_key, curve_client_key) \
+            if curve_server_key or curve_client_key else None
         self.address = address
         self.default_timeout = default_timeout
         self.rings = rings
@@ -848,6 +920,12 @@ class Client:
         # and a socket that reconnects is still the same client. Random, so no other client can claim it.
         dealer.setsockopt(zmq.ROUTING_ID, b"kvstrata-" + secrets.token_bytes(12))
         dealer.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+        if self._curve is not None:
+            self._curve.apply(dealer)
+        # TCP: a monitor tells how handshakes ended, read only when a request times out, to say why (CURVE)
+        self._monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if address.startswith("tcp://") else None
+        self._monitor_lock = threading.Lock()
+        self._handshake: tuple[int | None, int] = (None, 0)
         dealer.connect(address)
         self._sock = SharedSocket(dealer)
         self._ids = itertools.count(1)
@@ -1013,7 +1091,22 @@ class Client:
             return fut.result(timeout=timeout)
         except TimeoutError:
             self._forget(fut)
-            raise RequestTimeout(f"no reply from {self.address} within {timeout:.1f}s") from None
+            raise RequestTimeout(f"no reply from {self.address} within {timeout:.1f}s{self._handshake_hint()}") \
+                from None
+
+    def _handshake_hint(self) -> str:
+        """Over TCP: why no reply came, if a CURVE handshake failed (or this client has no CURVE keys)."""
+        if self._monitor is None:
+            return ""
+        from zmq.utils.monitor import recv_monitor_message
+
+        with self._monitor_lock:
+            if self._closed:
+                return ""
+            while self._monitor.poll(0):
+                event = recv_monitor_message(self._monitor)
+                self._handshake = (int(event["event"]), int(event["value"]))
+            return handshake_hint(*self._handshake, self._curve, self.address)
 
     def _forget(self, fut: Future) -> None:
         with self._pending_lock:
@@ -1040,6 +1133,9 @@ class Client:
         self._thread.join(timeout=5)
         self.fail_pending("client closed")
         self._sock.close()
+        if self._monitor is not None:
+            with self._monitor_lock:
+                self._monitor.close(linger=0)
         with self._send_lock, self._replies_lock:
             rings = (self._replies, self._requests, self._mailbox)
             self._replies, self._requests, self._mailbox = None, None, None
