@@ -66,7 +66,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self.model = self.settings.model_name or str(storage_config.model_name or "sglang-model")
         self.runtime: WorkerRuntime | None = None
         self.page_size = 0
-        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout)
+        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout,
+                                  **self.settings.client_options())
         self._ids = itertools.count(1)
         self._runtime_lock = threading.Lock()
         self._client_lock = threading.Lock()

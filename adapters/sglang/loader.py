@@ -91,7 +91,8 @@ class LayerLoader:
         self.settings = runtime.settings
         self._wait_for_offload_inputs = wait_for_offload_inputs
         # lookups go on their own connection: the scheduler asks while the loader thread may be in a wait
-        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout)
+        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout,
+                                  **self.settings.client_options())
         self._queued: dict[str, LoadSpec] = {}
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()

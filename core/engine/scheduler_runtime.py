@@ -82,7 +82,8 @@ class SchedulerRuntime:
         self.model = model
         self.block_size = block_size
         self.world_size = world_size
-        self.client = CacheClient(settings.server_address, timeout=settings.lookup_timeout)
+        self.client = CacheClient(settings.server_address, timeout=settings.lookup_timeout,
+                                  **settings.client_options())
         self.chunk_size: int | None = None
         self._requests: dict[str, tuple[Any, PromptRequest]] = {}
         self._lookups: dict[str, _Pending] = {}

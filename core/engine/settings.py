@@ -86,10 +86,15 @@ class RuntimeSettings:
     transfer_queue_policy: str = "earliest_released"
     """Worker placement: the order in which the slices of concurrent loads are enqueued
     (``earliest_released``: one load after another; ``round_robin``: one slice of each in turn)."""
+    curve_server_key: str | None = None
+    """The server's public key file (``NAME.key``), to connect with CURVE: a server on tcp:// requires it,
+    with ``curve_client_key`` (see :mod:`kvstrata.core.wire.curve`)."""
+    curve_client_key: str | None = None
+    """This engine's secret key file (``NAME.key_secret``, mode 0600), whose public key the server authorizes."""
 
     FIELDS = ("server_address", "layers_per_stage", "placement", "model_name", "lookup_timeout",
               "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path",
-              "transfer_queue_policy")
+              "transfer_queue_policy", "curve_server_key", "curve_client_key")
     ALIASES = {"layerwise_overlap": "layers_per_stage"}
 
     @classmethod
@@ -134,4 +139,14 @@ class RuntimeSettings:
             raise ValueError(f"{where}.{name}: {exc}") from None
         if "store" in values and not isinstance(values["store"], bool):
             raise ValueError(f"{where}.store must be true or false, got {values['store']!r}")
+        for name in ("curve_server_key", "curve_client_key"):
+            if values.get(name) is not None and (not isinstance(values[name], str) or not values[name]):
+                raise ValueError(f"{where}.{name} must be a key file's path, got {values[name]!r}")
+        if bool(values.get("curve_server_key")) != bool(values.get("curve_client_key")):
+            raise ValueError(f"{where}: CURVE needs both curve_server_key (the server's NAME.key) and "
+                             "curve_client_key (this engine's NAME.key_secret)")
         return cls(**values)
+
+    def client_options(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`~kvstrata.core.wire.client.CacheClient` these settings give (CURVE)."""
+        return {"curve_server_key": self.curve_server_key, "curve_client_key": self.curve_client_key}

@@ -73,7 +73,8 @@ class WorkerRuntime:
         self.rank = rank
         self.world_size = world_size
         self.instance_id = settings.instance_id + rank
-        self.client = CacheClient(settings.server_address, timeout=settings.retrieve_timeout)
+        self.client = CacheClient(settings.server_address, timeout=settings.retrieve_timeout,
+                                  **settings.client_options())
         self.record = EventRecord(settings.record_path)
         self.transfers: LayerwiseWorker | None = None
         """The transfer machinery, once registered with the server (None while it is unreachable)."""

@@ -25,7 +25,7 @@ from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
-from kvstrata.core.wire.transport import Deferred, Server, hands_over_turn
+from kvstrata.core.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, Deferred, Server, hands_over_turn
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ class ServerConfig:
     """With busy polling on, the polling thread answers a transfer once its copies are done, so the handler's
     thread is free as soon as they are enqueued; False has the handler's thread wait and answer (for A/B
     measurements)."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """The largest frame taken (ZMQ_MAXMSGSIZE): a peer sending a longer one is disconnected before it is read."""
+    curve_secret_key: str | None = None
+    """The server's CURVE secret key file (``NAME.key_secret``); with ``curve_clients``, only clients whose
+    public key is there are served (required on tcp://, see :mod:`kvstrata.core.wire.curve`)."""
+    curve_clients: str | None = None
+    """The directory of the authorized clients' CURVE public keys (``NAME.key``), read at start."""
 
 
 @dataclass
@@ -119,7 +126,9 @@ class CacheServer:
         self._lock = threading.Lock()
         self._busy_polling = False
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
-                                allow_remote=config.allow_remote, defer_replies=config.deferred_replies)
+                                allow_remote=config.allow_remote, defer_replies=config.deferred_replies,
+                                max_message_bytes=config.max_message_bytes,
+                                curve_secret_key=config.curve_secret_key, curve_clients=config.curve_clients)
         handlers = {
             RequestType.PING: self.ping,
             RequestType.SERVER_INFO: self.server_info,

@@ -38,10 +38,14 @@ def _int_lists(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class CacheClient:
-    def __init__(self, address: str, *, timeout: float = 30.0, rings: RingSetting = "all") -> None:
+    def __init__(self, address: str, *, timeout: float = 30.0, rings: RingSetting = "all",
+                 curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
         """``rings``: what the transport's :meth:`~kvstrata.core.wire.transport.Client.attach_rings` attaches
-        when a worker registers (anything but ``all`` is for A/B measurements)."""
-        self.transport = Client(address, default_timeout=timeout, rings=rings)
+        when a worker registers (anything but ``all`` is for A/B measurements). ``curve_server_key`` (the
+        server's public ``NAME.key`` file) and ``curve_client_key`` (this client's ``NAME.key_secret`` file):
+        connect with CURVE, as a server on tcp:// requires (see :mod:`kvstrata.core.wire.curve`)."""
+        self.transport = Client(address, default_timeout=timeout, rings=rings, curve_server_key=curve_server_key,
+                                curve_client_key=curve_client_key)
 
     @property
     def address(self) -> str:
