@@ -1,4 +1,5 @@
-"""The ``kvstrata`` command: ``serve`` runs a cache server, ``status`` shows one, ``demo`` runs the quick start."""
+"""The ``kvstrata`` command: ``serve`` runs a cache server, ``status`` shows one, ``demo`` runs the quick start,
+``keygen`` writes CURVE key pairs for TCP."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _setup_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstrata.core.wire.transport import default_address
+    from kvstrata.core.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, default_address
 
     from kvstrata import __version__
 
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "cache, and STORE/RETRIEVE chunks of --chunk-size tokens kept in an L1 pool of "
                                    "--l1-size bytes of shared memory (allocated at start, private to this user).")
     s.add_argument("--address", default=None,
-                   help="ipc://PATH or tcp://127.0.0.1:PORT to bind (default: an IPC socket in a private "
+                   help="ipc://PATH (its directory must be private to this user) or tcp://127.0.0.1:PORT "
+                        "(needs --curve-secret-key and --curve-clients) to bind (default: an IPC socket in a private "
                         f"per-user directory, currently {default_address()})")
     s.add_argument("--l1-size", type=parse_size, default=parse_size("1G"),
                    help="bytes of host memory for cached KV, e.g. 512M, 8G (default 1G)")
@@ -61,8 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with busy polling, answer a transfer from its own thread instead of the polling thread, "
                         "for A/B measurements")
     s.add_argument("--allow-remote", action="store_true",
-                   help="allow binding a non-loopback TCP address, and serve metrics on every interface (off by "
-                        "default: the protocol has no auth)")
+                   help="allow binding a non-loopback TCP address (CURVE-authenticated like any TCP), and serve "
+                        "metrics on every interface (off by default)")
+    s.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                   help="the server's CURVE secret key file (NAME.key_secret, mode 0600, from `kvstrata keygen`); "
+                        "required for a tcp:// address, with --curve-clients")
+    s.add_argument("--curve-clients", default=None, metavar="DIR",
+                   help="a directory of the public key files (NAME.key) of the clients allowed to connect; any "
+                        "other client completes no handshake (read at start)")
+    s.add_argument("--max-message-bytes", type=parse_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
+                   help="the largest frame taken: a client sending a longer one is disconnected before it is read "
+                        f"(default {DEFAULT_MAX_MESSAGE_BYTES >> 20}M, a STORE or RETRIEVE of a prompt of millions "
+                        "of tokens)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (off by default)")
     s.add_argument("--config", default=None, metavar="FILE",
@@ -76,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default=None, help=f"the server's address (default {default_address()})")
     st.add_argument("--json", action="store_true", help="print the server's answer as JSON")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
+    st.add_argument("--curve-server-key", default=None, metavar="FILE",
+                    help="the server's CURVE public key file (NAME.key): needed for a tcp:// server")
+    st.add_argument("--curve-client-key", default=None, metavar="FILE",
+                    help="this client's CURVE secret key file (NAME.key_secret), whose public key the server "
+                         "authorizes")
+
+    k = sub.add_parser("keygen", help="write CURVE key pairs for serving and connecting over TCP",
+                       description="Write a CURVE key pair per NAME: DIR/NAME.key (public) and DIR/NAME.key_secret "
+                                   "(both keys), mode 0600; existing files are never overwritten. The server takes "
+                                   "--curve-secret-key DIR/server.key_secret and --curve-clients CLIENTS, a directory "
+                                   "holding a copy of each client's NAME.key; a client takes the server's "
+                                   "server.key and its own NAME.key_secret.")
+    k.add_argument("directory", metavar="DIR", help="where to write the key files (created 0700 if missing)")
+    k.add_argument("names", nargs="*", metavar="NAME", default=["server", "client"],
+                   help="one key pair per name (default: server client)")
 
     d = sub.add_parser("demo", help="store and retrieve a prompt's KV with an embedded server and reference engine",
                        description="Start a server process and a reference engine on CPU, store one prompt's KV, "
@@ -94,7 +121,9 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
                           chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
                           allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
-                          deferred_replies=args.deferred_replies, metrics_port=args.metrics_port)
+                          deferred_replies=args.deferred_replies, metrics_port=args.metrics_port,
+                          max_message_bytes=args.max_message_bytes, curve_secret_key=args.curve_secret_key,
+                          curve_clients=args.curve_clients)
     from kvstrata.native import target_openers
     from kvstrata.native.cuda_executor import CudaTransferConfig
 
@@ -102,7 +131,11 @@ def serve(args: argparse.Namespace) -> int:
     if args.config:
         log.info("settings from %s, overridden by the command line's flags", args.config)
     log.info("effective configuration: %s, GPU caches: %s", config, cuda_config)
-    server = CacheServer(config, target_openers=target_openers(cuda_config))
+    try:
+        server = CacheServer(config, target_openers=target_openers(cuda_config))
+    except (ValueError, PermissionError) as exc:  # who may connect: an address or keys it refuses to serve
+        print(f"kvstrata serve: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -126,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "status":
         return status(args)
+    if args.command == "keygen":
+        return keygen(args)
     if args.command == "serve" and args.config:
         from kvstrata.server_config import ConfigError, apply_config_file
 
@@ -163,7 +198,12 @@ def status(args: argparse.Namespace) -> int:
     from kvstrata.core.wire.transport import default_address
 
     address = args.address or default_address()
-    client = CacheClient(address, timeout=args.timeout)
+    try:
+        client = CacheClient(address, timeout=args.timeout, curve_server_key=args.curve_server_key,
+                             curve_client_key=args.curve_client_key)
+    except ValueError as exc:  # unusable CURVE key files
+        print(f"kvstrata status: {exc}", file=sys.stderr)
+        return 2
     try:
         info = client.server_info()
     except Exception as exc:
@@ -176,6 +216,20 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1, sort_keys=True, default=str))
         return 0
     print(format_status(address, info))
+    return 0
+
+
+def keygen(args: argparse.Namespace) -> int:
+    """``kvstrata keygen DIR [NAME ...]``: a CURVE key pair per name (see :func:`kvstrata.core.wire.curve.write_keypair`)."""
+    from kvstrata.core.wire.curve import CurveKeyError, write_keypair
+
+    for name in args.names:
+        try:
+            public, secret = write_keypair(args.directory, name)
+        except CurveKeyError as exc:
+            print(f"kvstrata keygen: {exc}", file=sys.stderr)
+            return 2
+        print(f"{name}: public key {public}, secret key {secret}")
     return 0
 
 

@@ -75,6 +75,9 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "deferred_replies": _bool,
     "allow_remote": _bool,
     "metrics_port": _int(0, 65535),
+    "max_message_bytes": _size,
+    "curve_secret_key": _str,
+    "curve_clients": _str,
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 

@@ -52,6 +52,15 @@ def client(server):
     c.close()
 
 
+@pytest.fixture(scope="session")
+def curve_keys(tmp_path_factory):
+    """CURVE key files for tcp:// servers (which refuse to start without them): the server's pair, an
+    authorized client's and a stranger's (see kvstrata.core.testing.curve_keys)."""
+    from kvstrata.core.testing.curve_keys import CurveKeys
+
+    return CurveKeys.make(str(tmp_path_factory.mktemp("curve") / "keys"))
+
+
 @pytest.fixture
 def rid():
     return f"req-{uuid.uuid4().hex[:8]}"

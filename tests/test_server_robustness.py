@@ -81,11 +81,12 @@ def test_garbage_frames_and_random_bytes_do_not_take_the_server_down(server):
         c.close()
 
 
-def test_raw_tcp_noise_does_not_take_the_server_down():
+def test_raw_tcp_noise_does_not_take_the_server_down(curve_keys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with ServerProcess(address=f"tcp://127.0.0.1:{port}", l1_bytes=8 << 20) as srv:
+    with ServerProcess(address=f"tcp://127.0.0.1:{port}", l1_bytes=8 << 20, extra_args=curve_keys.serve_args,
+                       client_options=curve_keys.client_options) as srv:
         rng = random.Random(99)
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
@@ -93,7 +94,7 @@ def test_raw_tcp_noise_does_not_take_the_server_down():
                     raw.sendall(bytes(rng.getrandbits(8) for _ in range(2048)))
                 except OSError:
                     pass  # the server may hang up on a bad greeting: that is fine
-        c = Client(srv.address, default_timeout=10)
+        c = Client(srv.address, default_timeout=10, **curve_keys.client_options)
         try:
             assert c.call(RequestType.PING) == "pong"
         finally:
@@ -105,7 +106,7 @@ def test_refuses_non_loopback_bind_by_default():
 
     with pytest.raises(ValueError, match="only loopback"):
         check_bind_address("tcp://0.0.0.0:5555")
-    check_bind_address("tcp://0.0.0.0:5555", allow_remote=True)
+    check_bind_address("tcp://0.0.0.0:5555", allow_remote=True, curve=True)
 
 
 def test_ipc_socket_and_pool_are_private_to_the_user(server):

@@ -28,14 +28,17 @@ class ServerProcess:
 
     def __init__(self, *, l1_bytes: int = 256 << 20, chunk_size: int = 256, address: str | None = None,
                  log_level: str = "WARNING", extra_args: list[str] | None = None,
-                 slice_hold: "SliceHold | None" = None) -> None:
-        """``slice_hold``: the server runs with that test-only hold installed (see ``slice_hold.py``)."""
+                 slice_hold: "SliceHold | None" = None, client_options: dict | None = None) -> None:
+        """``slice_hold``: the server runs with that test-only hold installed (see ``slice_hold.py``).
+        ``client_options``: :class:`CacheClient` keywords for connecting to it (CURVE keys for a tcp:// server,
+        whose ``--curve-*`` flags go in ``extra_args``)."""
         if address is None:
             self._tmp = tempfile.mkdtemp(prefix="kvstrata-test-")
             os.chmod(self._tmp, 0o700)
             address = f"ipc://{self._tmp}/server.sock"
         self.address = address
         self.slice_hold = slice_hold
+        self.client_options = dict(client_options or {})
         entry = ["kvstrata"] if slice_hold is None else ["kvstrata.core.testing.slice_hold", str(slice_hold.directory)]
         self.args = [sys.executable, "-m", *entry, "serve", "--address", address, "--l1-size", str(l1_bytes),
                      "--chunk-size", str(chunk_size), "--log-level", log_level, *(extra_args or [])]
@@ -49,7 +52,7 @@ class ServerProcess:
             with open(count_file, "a") as f:
                 f.write(f"{os.getpid()} {self.proc.pid}\n")
         deadline = time.monotonic() + timeout
-        client = CacheClient(self.address, timeout=1.0)
+        client = CacheClient(self.address, timeout=1.0, **self.client_options)
         started = False
         try:
             while True:
