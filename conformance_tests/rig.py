@@ -221,7 +221,7 @@ class Rig:
             try:
                 hit = self.client.lookup(probe)
             finally:
-                self.client.end_session(probe.request_id)
+                self.client.free_lookup_locks(probe.request_id)
             if hit < (k // self.chunk_size) * self.chunk_size or hit == 0:
                 stored = [e for e in self.record() if e.get("request_id") == rid]
                 raise RuntimeError(f"the adapter stored a {n}-token prompt, and a LOOKUP of its {k} loadable tokens "

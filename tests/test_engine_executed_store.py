@@ -140,7 +140,7 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
 
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     chunk_bytes = engine.layout.object_bytes(64)
-    with ServerProcess(l1_bytes=2 * chunk_bytes, chunk_size=64) as small:
+    with ServerProcess(l1_bytes=2 * chunk_bytes, chunk_size=64, extra_args=["--max-reserved-fraction", "1"]) as small:
         client = CacheClient(small.address, timeout=20.0)
         area = RegistrationArea(engine.layout, chunk_size=64)
         w = LayerwiseWorker(client, 34, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,

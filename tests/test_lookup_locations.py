@@ -61,7 +61,7 @@ def test_a_lookup_says_where_its_locked_hit_lies_as_retrieve_would(client, engin
     assert reply["hit_tokens"] == TOKENS
     located = ChunkLocations.from_lookup_reply(reply)
     assert located is not None and located.shape == engine.layout.shape_signature()
-    assert [t for _, _, t in located.objects] == [64, 64, 32]
+    assert [row[2] for row in located.objects] == [64, 64, 32]
     dst = engine.allocate(TOKENS)
     retrieved = client.retrieve(key, WORKER_ID, [dst])  # the worker-placement RETRIEVE locates the same objects
     assert located.as_retrieve_reply() == {"pool": retrieved["pool"], "objects": retrieved["objects"]}
@@ -72,14 +72,17 @@ def test_a_lookup_says_where_its_locked_hit_lies_as_retrieve_would(client, engin
 
 
 def test_covering_keeps_whole_objects_only():
-    located = ChunkLocations("pool", 1 << 20, (2, 4, 2, 32), ((0, 100, 64), (512, 100, 64), (1024, 50, 32)))
+    located = ChunkLocations("pool", 1 << 20, (2, 4, 2, 32),
+                             ((0, 100, 64, 3, 7), (512, 100, 64, 4, 8), (1024, 50, 32, 5, 9)), "gens", 16)
     assert located.covering(128).objects == located.objects[:2]
     assert located.covering(160) is located
     assert located.covering(0).objects == ()
     assert located.covering(100) is None, "a load that ends inside a chunk asks RETRIEVE"
     assert located.covering(192) is None, "more tokens than the hit"
     assert located.only_on_rank(1, 3) == (None, located, None)
-    reply = {"hit_tokens": 160, "located": {"pool": {"name": "pool", "size": 1 << 20}, "shape": [2, 4, 2, 32],
+    reply = {"hit_tokens": 160, "located": {"pool": {"name": "pool", "size": 1 << 20,
+                                                     "generations": {"name": "gens", "slots": 16}},
+                                            "shape": [2, 4, 2, 32],
                                             "objects": [list(o) for o in located.objects]}}
     assert ChunkLocations.from_lookup_reply(reply) == located and located.num_tokens == 160
     assert ChunkLocations.for_rank(reply, 128, 1, 2) == (None, located.covering(128))

@@ -52,7 +52,7 @@ def test_counters_match_what_was_stored_looked_up_and_retrieved(metered) -> None
         engine_loop(worker, "m1", SMALL_32.num_layers)
         miss = CacheKey.for_tokens("m2", random_prompt(128, seed=12), model="m")
         assert client.lookup(miss) == 0  # 128 tokens missed
-        client.end_session("m2")
+        client.free_lookup_locks("m2")
         after = scrape(port)
 
         def delta(name: str, **labels: str) -> float:

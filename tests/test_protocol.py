@@ -15,7 +15,7 @@ from kvstrata.core.wire.transport import Server
 def test_every_request_type_is_declared():
     assert set(DECLARATIONS) == set(RequestType)
     for name in ("REGISTER_KV_CACHE", "UNREGISTER_KV_CACHE", "LOOKUP", "STORE", "RETRIEVE",
-                 "FREE_LOOKUP_LOCKS", "END_SESSION", "PING"):
+                 "FREE_LOOKUP_LOCKS", "PING"):
         assert RequestType[name] in DECLARATIONS
 
 

@@ -29,7 +29,6 @@ GOOD = {
     RequestType.RETRIEVE: [{"request_id": "r", "model": "m", "world_size": 1, "rank": 0, "salt": None,
                             "tokens": b""}, 0, [[0]], None, 0, None, None, 0],
     RequestType.FREE_LOOKUP_LOCKS: ["r"],
-    RequestType.END_SESSION: ["r"],
     RequestType.ATTACH_RINGS: [{"name": "kvstrata-ring-1-00000000", "slots": 1, "slot_bytes": 64}, None, None],
     RequestType.RESERVE_STORE: [{"request_id": "r", "model": "m", "world_size": 1, "rank": 0, "salt": None,
                                  "tokens": b""}, 0, 0],

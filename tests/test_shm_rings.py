@@ -293,7 +293,7 @@ def ring_server():
                 continue
             if rt == RequestType.PING:
                 server.register(rt, lambda: "pong")
-            elif rt in (RequestType.FREE_LOOKUP_LOCKS, RequestType.END_SESSION):
+            elif rt == RequestType.FREE_LOOKUP_LOCKS:
                 server.register(rt, handler_of(rt, lambda request_id, name=rt.name: rec.note(f"{name}:{request_id}")))
             elif rt == RequestType.LOOKUP:
                 server.register(rt, lambda key: rec.note(f"LOOKUP:{key['request_id']}"))
@@ -321,8 +321,8 @@ def test_requests_from_the_ring_are_served_once_and_in_order(ring_server):
         sent = []
         for i in range(300):  # oneway requests and calls, interleaved
             if i % 3:
-                client.send_oneway(RequestType.END_SESSION, [f"e{i}"])
-                sent.append(f"END_SESSION:e{i}")
+                client.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [f"e{i}"])
+                sent.append(f"FREE_LOOKUP_LOCKS:e{i}")
             else:
                 assert client.call(RequestType.LOOKUP, [key(f"l{i}")]) == {"served": f"LOOKUP:l{i}"}
                 sent.append(f"LOOKUP:l{i}")
@@ -355,8 +355,8 @@ def test_a_request_too_big_for_the_ring_keeps_its_place(ring_server):
             if i % 5 == 2:
                 client.send_oneway(RequestType.LOOKUP, [key(f"big{i}", big)])
                 order.append(f"LOOKUP:big{i}")
-            client.send_oneway(RequestType.END_SESSION, [f"s{i}"])
-            order.append(f"END_SESSION:s{i}")
+            client.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [f"s{i}"])
+            order.append(f"FREE_LOOKUP_LOCKS:s{i}")
         assert client.call(RequestType.PING) == "pong"
     assert rec.served == order
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvstrata.core.wire.transport import RemoteError
 from kvstrata.adapters import reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
@@ -140,11 +141,16 @@ def test_each_ranks_locks_are_its_own(tp, server: Any) -> None:
     assert scheduler_lookup(scheduler, "tp-lock", prompt) == 128
     probe = CacheClient(server.address, timeout=10)
     try:
-        # Both ranks' LOOKUPs hold locks under their own owner ids (instances 500 and 501); freeing rank 0's
-        # leaves rank 1's.
-        assert probe.free_lookup_locks(lock_owner("tp-lock", 500)) > 0
-        assert probe.free_lookup_locks(lock_owner("tp-lock", 500)) == 0
-        assert probe.free_lookup_locks(lock_owner("tp-lock", 501)) > 0
+        # Both ranks' LOOKUPs hold locks under their own owner ids (instances 500 and 501); a connection that
+        # neither took them nor registered the instance may not free them, and changes nothing by trying.
+        with pytest.raises(RemoteError, match="held by another connection"):
+            probe.free_lookup_locks(lock_owner("tp-lock", 500))
     finally:
         probe.close()
+    # Each rank's worker (the connection that registered its instance) frees its own; rank 0's leaves rank 1's.
+    assert ranks[0].runtime.client.free_lookup_locks(lock_owner("tp-lock", 500)) > 0
+    assert ranks[0].runtime.client.free_lookup_locks(lock_owner("tp-lock", 500)) == 0
+    with pytest.raises(RemoteError, match="held by another connection"):
+        ranks[0].runtime.client.free_lookup_locks(lock_owner("tp-lock", 501))
+    assert ranks[1].runtime.client.free_lookup_locks(lock_owner("tp-lock", 501)) > 0
     scheduler.finished("tp-lock")

@@ -87,6 +87,8 @@ def test_a_retrieve_naming_what_is_not_an_arrival_board_is_refused_and_writes_no
                 with pytest.raises(RemoteError, match=why.replace("(", r"\(").replace(")", r"\)")):
                     client.retrieve(key, 0, [dst], arrival_board=board_ref(name, slot), layers_per_stage=1)
                 engine.free(dst)
+            # a refused request frees nothing: its locks stay with their holder, which frees them
+            assert client.free_lookup_locks(f"bad-board-{slot}") == 2 * len(victims)  # two chunks a lookup
         # nothing was written: not the engine's cache, not the ring, not the stored KV
         assert torch.equal(engine.regions[0], cache_before)
         assert bytes(rings.segment.buf) == ring_before

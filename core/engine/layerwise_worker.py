@@ -31,12 +31,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
 from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend, LocalCopier
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
@@ -112,6 +114,9 @@ class _InFlight:
     report_pending: bool = False
     """Failed while this process's own copy was still running: reported once it has stopped."""
     refresh: Callable[[], None] | None = None
+    lock_owner: str = ""
+    """Whose lookup locks this load's key names: a failed server-placement RETRIEVE leaves them held (a refused
+    request frees nothing on the server), so the failure frees them from here."""
     _board_seen: int = field(default=0)
 
     @property
@@ -163,13 +168,16 @@ class LayerwiseWorker:
         """Worker placement: the steps of the last :meth:`store_to_pool`."""
         self._lock = threading.RLock()
         self._l1_pool: Segment | None = None
+        self._generation_segment: Segment | None = None
+        self._generations: np.ndarray | None = None
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
         self.chunk_size: int | None = None
         self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
-                                    landed=self._event_backend.landed, handover_slices=handover_slices,
+                                    landed=self._event_backend.landed, generations_for=self._generations_for,
+                                    handover_slices=handover_slices,
                                     enqueue_ahead_bytes=enqueue_ahead_bytes) \
             if placement == PLACEMENT_WORKER else None
         self.pool_writable = pool_writable
@@ -251,7 +259,7 @@ class LayerwiseWorker:
                 arrival_board=slot.board_ref() if slot else None,
                 layer_event_handles=slot.handles if slot else None, layers_per_stage=width)
             fut.add_done_callback(lambda f, r=record: self._note_reply(f, r))
-            inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record)
+            inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record, lock_owner=key.request_id)
             if slot is not None:
                 inflight.refresh = lambda i=inflight: self._refresh_from_board(i)
         if running:
@@ -380,6 +388,20 @@ class LayerwiseWorker:
             log.warning("STORE of %s kept %d tokens: %s", key.request_id, committed["stored_tokens"], reply["full"])
         return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
 
+    def _generations_for(self, pool: dict[str, Any]) -> np.ndarray:
+        """The generation table of the pool a reply names, mapped read-only (again after a server restart)."""
+        ref = pool["generations"]
+        with self._pool_lock:
+            if self._generation_segment is None or self._generation_segment.name != ref["name"]:
+                seg = Segment.attach(str(ref["name"]), int(ref["slots"]) * 8, readonly=True)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only: this process never writes a word
+                    table = np.frombuffer(seg.buf, dtype=np.uint64, count=int(ref["slots"]))
+                old, self._generation_segment, self._generations = self._generation_segment, seg, table
+                if old is not None:
+                    old.close()
+            return self._generations
+
     def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
         with self._pool_lock:
             self._map_l1_pool_locked(pool)
@@ -486,6 +508,11 @@ class LayerwiseWorker:
         self._failed[inf.request_id] = (inf.block_ids, reason)
         log.error("retrieve for request %s failed: %s; its %d blocks are reported for recompute",
                   inf.request_id, reason, blocks)
+        if inf.lock_owner:
+            try:
+                self.client.transport.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [inf.lock_owner])
+            except Exception as exc:  # a closed client: the server frees them when this connection's lease ends
+                log.debug("FREE_LOOKUP_LOCKS for %s not sent: %s", inf.lock_owner, exc)
 
     def wait_for_layer(self, layer: int) -> None:
         """Block until every released, in-flight retrieve has ``layer`` (bounded; failures are reported)."""
@@ -603,5 +630,9 @@ class LayerwiseWorker:
             self._copier.close()
             self._copier = None
         self._l1_tensor = None
+        self._generations = None
+        if self._generation_segment is not None:
+            self._generation_segment.close()
+            self._generation_segment = None
         if self._l1_pool is not None:
             self._l1_pool.close()

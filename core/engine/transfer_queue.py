@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 from kvstrata.core.arrival.events import LocalCopier
 from kvstrata.core.arrival.gate import LayerArrivalGate
 from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.store.l1_store import generations_unchanged
 from kvstrata.core.transfer import planner
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.client import CacheClient
@@ -82,6 +83,11 @@ class TransferAborted(RuntimeError):
     """A worker-placement copy stopped between slices because its load had already failed."""
 
 
+class SourceEvicted(RuntimeError):
+    """The L1 objects a load copied from were freed while it copied (its lookup locks were lost): what it
+    copied may be another object's bytes, so the load fails and the engine recomputes its blocks."""
+
+
 @dataclass(eq=False)
 class QueuedLoad:
     """One load on its way through the queue (compared by identity: two loads are never the same load)."""
@@ -106,6 +112,11 @@ class QueuedLoad:
     copier: LocalCopier | None = None
     error: BaseException | None = None
     retrieved_tokens: int = 0
+    sources: list[tuple[int, int]] = field(default_factory=list)
+    """(slot, generation) of every object it copies from: checked against the pool's generation table once a
+    copy has run, before the engine is told it landed."""
+    generations: Any = None
+    """The pool's generation table (read-only words)."""
 
     @property
     def request_id(self) -> str:
@@ -140,10 +151,12 @@ class TransferQueue:
     def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
                  retrieve_timeout: float, landed: Callable[[Any], bool],
+                 generations_for: Callable[[dict[str, Any]], Any],
                  handover_slices: int = HANDOVER_SLICES,
                  enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
-        server restarted with a new pool). ``landed(completion)``: whether a slice's copy has run
+        server restarted with a new pool); ``generations_for(pool)``: that pool's generation table, mapped
+        read-only. ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
         what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against). ``enqueue_ahead_bytes``: see
         :data:`ENQUEUE_AHEAD_BYTES`; None enqueues every slice at once (``ttft.py``'s ``-ahead0`` arms)."""
@@ -163,6 +176,7 @@ class TransferQueue:
         self.layout = layout
         self.policy = policy
         self._copier_for = copier_for
+        self._generations_for = generations_for
         self._chunk_size = chunk_size
         self.retrieve_timeout = retrieve_timeout
         self._landed = landed
@@ -241,7 +255,10 @@ class TransferQueue:
         reply = self.client.transport.wait(load.reply, timeout=self.retrieve_timeout)
         load.record.located_at = time.perf_counter()
         load.copier = self._copier_for(reply["pool"])
-        spans = [(int(off), int(tokens)) for off, _, tokens in reply["objects"]]
+        load.generations = self._generations_for(reply["pool"])
+        rows = reply["objects"]
+        spans = [(int(row[0]), int(row[2])) for row in rows]
+        load.sources = [(int(row[3]), int(row[4])) for row in rows]
         copies = planner.plan_copies([t for _, t in spans], self._chunk_size(), 0, load.skip_first_n_tokens)
         load.job = planner.TransferJob(self.layout, load.block_ids, copies)
         load.retrieved_tokens = load.job.num_tokens
@@ -264,6 +281,8 @@ class TransferQueue:
             if load.next_slice == len(load.slices):
                 load.record.last_slice_at = time.perf_counter()
             load.last_completion = completion
+            if self._landed(completion):  # a copy that ran in the call (CPU): check its source before it counts
+                self._check_sources(load)
             if self.enqueue_ahead_bytes is not None:
                 self._queued_ahead.append((completion, nbytes))
                 self._queued_ahead_bytes += nbytes
@@ -313,6 +332,13 @@ class TransferQueue:
                     load.gate.wait_slices_waited(wanted, max(0.0, deadline - time.monotonic()))
                 awaiting.remove(load)
 
+    @staticmethod
+    def _check_sources(load: QueuedLoad) -> None:
+        """Raise :class:`SourceEvicted` unless every object ``load`` copied from is still the one it looked up."""
+        if not generations_unchanged(load.generations, load.sources):
+            raise SourceEvicted(f"the L1 objects request {load.request_id} copied from were evicted while it "
+                                "copied (its lookup locks were lost); its blocks are recomputed")
+
     def _stop(self, load: QueuedLoad, exc: BaseException) -> None:
         """No further slice of ``load``; the gate fails now, the future once its copies have run."""
         load.error = exc
@@ -328,6 +354,8 @@ class TransferQueue:
             try:
                 if load.copier is not None:
                     load.copier.finish(load.last_completion)  # what was enqueued for it has run
+                    if load.error is None and load.generations is not None:
+                        self._check_sources(load)  # before the future says the load is complete
             except BaseException as exc:  # noqa: BLE001
                 if load.error is None:
                     self._stop(load, exc)

@@ -10,10 +10,12 @@ instead of waiting out its timeout.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kvstrata.core.transfer import planner
@@ -22,6 +24,7 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.server.connections import Connection, ConnectionLimits
 from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
@@ -55,6 +58,8 @@ class ServerConfig:
     public key is there are served (required on tcp://, see :mod:`kvstrata.core.wire.curve`)."""
     curve_clients: str | None = None
     """The directory of the authorized clients' CURVE public keys (``NAME.key``), read at start."""
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """Per-connection bounds and the lease (see :mod:`kvstrata.core.server.connections`)."""
 
 
 @dataclass
@@ -67,6 +72,11 @@ class _Reservation:
     request_id: str
     objects: list[tuple[StoredObject, int]]
     """(object, tokens)"""
+    connection: Connection | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(obj.nbytes for obj, _ in self.objects)
 
 
 @dataclass
@@ -78,6 +88,7 @@ class _Instance:
     owner: bytes | None
     """The connection that registered it (its routing id): the only one that may use or unregister it.
     None when registered from inside the server process (tests calling handlers directly)."""
+    connection: Connection | None = None
     transfers: int = 0
     """STOREs and RETRIEVEs using its target now: it is closed only once they have ended."""
     retired: bool = False
@@ -86,6 +97,33 @@ class _Instance:
 
 class RequestError(ValueError):
     """A well-formed request that cannot be served (unknown instance, bad block ids, ...)."""
+
+
+class NotYours(RequestError):
+    """The request names state another connection holds (its lock owner, instance or reservation)."""
+
+    error_code = "not_owner"
+
+
+class LimitExceeded(RequestError):
+    """A per-connection bound (a server setting, named in the message) would be exceeded."""
+
+    error_code = "limit"
+
+
+_OWNER_INSTANCE = re.compile(r"@i(\d+)(?!.*@i\d)")
+"""The instance id a lock owner names (``request@iN``, see ``kvstrata.core.engine.requests.lock_owner``)."""
+
+
+def instance_of_lock_owner(owner: str) -> int | None:
+    m = _OWNER_INSTANCE.search(owner)
+    return int(m.group(1)) if m else None
+
+
+class InstanceTaken(RequestError):
+    """The instance id is registered by another live connection: the engine must use another id."""
+
+    error_code = "instance_taken"
 
 
 class UnknownInstance(RequestError):
@@ -113,17 +151,25 @@ class CacheServer:
         (``kvstrata serve`` passes :func:`kvstrata.native.target_openers`: CUDA IPC)."""
         if config.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
+        config.limits.check()
         self.config = config
+        self.limits = config.limits
         self.target_openers = dict(target_openers or {})
         sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
         self._instances: dict[int, _Instance] = {}
-        self._boards: dict[str, ArrivalBoard] = {}
+        self._connections: dict[bytes | None, Connection] = {}
+        self._draining: list[_Instance] = []
+        """Retired instances whose transfers have not ended yet (their targets and boards stay open)."""
         self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
+        """Per lock owner holding lookup locks: its LOOKUP's key (cut to the hit) and digests, so RETRIEVE need
+        not hash again."""
         self._reservations: dict[int, _Reservation] = {}
         self._next_reservation = 1
-        """Per request holding lookup locks: its LOOKUP's key and digests, so RETRIEVE need not hash again."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._leases = threading.Thread(target=self._watch_leases, name="kvstrata-leases", daemon=True)
+        self._stopping = threading.Event()
+        self.connections_ended = 0
         self._busy_polling = False
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
                                 allow_remote=config.allow_remote, defer_replies=config.deferred_replies,
@@ -138,7 +184,6 @@ class CacheServer:
             RequestType.STORE: self.store_kv,
             RequestType.RETRIEVE: self.retrieve,
             RequestType.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
-            RequestType.END_SESSION: self.end_session,
             RequestType.RESERVE_STORE: self.reserve_store,
             RequestType.COMMIT_STORE: self.commit_store,
         }
@@ -153,6 +198,7 @@ class CacheServer:
 
     def start(self) -> None:
         self.transport.start()
+        self._leases.start()
         if self.config.metrics_port is not None:
             host = "0.0.0.0" if self.config.allow_remote else "127.0.0.1"
             self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
@@ -161,15 +207,20 @@ class CacheServer:
                  self.store.segment.name, self.config.chunk_size, self.config.transfer_threads)
 
     def stop(self) -> None:
+        self._stopping.set()
         self.metrics.close()
         self.transport.stop()
+        if self._leases.is_alive():
+            self._leases.join(timeout=10)
         with self._lock:
             for inst in self._instances.values():
                 inst.target.close()
             self._instances.clear()
-            for b in self._boards.values():
-                b.close()
-            self._boards.clear()
+            for conn in self._connections.values():
+                for b in conn.boards.values():
+                    b.close()
+                conn.boards.clear()
+            self._connections.clear()
         self.store.close()
         log.info("kvstrata server stopped; shared-memory segment %s removed", self.store.segment.name)
 
@@ -206,11 +257,16 @@ class CacheServer:
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
         caller = self.transport.current_client()
+        conn = self._connection(caller)
         with self._lock:
             held = self._instances.get(instance_id)
+            if instance_id not in conn.instances and len(conn.instances) >= self.limits.max_instances_per_connection:
+                raise LimitExceeded(f"this connection has registered {len(conn.instances)} caches, the most "
+                                    f"max_instances_per_connection={self.limits.max_instances_per_connection} "
+                                    "allows; unregister one first")
         if held is not None and not self._may_replace(held, caller):
-            raise RequestError(f"instance {instance_id} is registered by another connection, which is still "
-                               "connected; register this cache under another instance id")
+            raise InstanceTaken(f"instance {instance_id} is registered by another connection, which is still "
+                                "connected; register this cache under another instance id")
         placement = descriptor.get("placement") if isinstance(descriptor, dict) else None
         if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
@@ -220,8 +276,12 @@ class CacheServer:
             old = self._instances.get(instance_id)
             if old is not None and not self._may_replace(old, caller):
                 target.close()
-                raise RequestError(f"instance {instance_id} was registered by another connection meanwhile")
-            self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller)
+                raise InstanceTaken(f"instance {instance_id} was registered by another connection meanwhile")
+            if conn.ended:
+                target.close()
+                raise RequestError("this connection's lease ended while it registered; register again")
+            self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller, conn)
+            conn.instances.add(instance_id)
         if old is not None:
             self._retire(old)
             log.info("instance %d re-registered; the previous registration was replaced", instance_id)
@@ -241,7 +301,12 @@ class CacheServer:
     def _may_replace(self, held: _Instance, caller: bytes | None) -> bool:
         """A registration may be replaced by the connection that made it, or once that connection is gone
         (an engine that restarted registers its cache again under the same id)."""
-        return held.owner is None or held.owner == caller or not self.transport.is_connected(held.owner)
+        if held.owner is None or held.owner == caller:
+            return True
+        if self.transport.is_connected(held.owner):
+            return False
+        self.end_connection(held.owner, "it disconnected")  # what it held goes with it, not just this instance
+        return True
 
     def unregister_kv_cache(self, instance_id: int) -> bool:
         with self._lock:
@@ -250,56 +315,111 @@ class CacheServer:
                 return False
             self._check_owner(inst)
             del self._instances[instance_id]
+            if inst.connection is not None:
+                inst.connection.instances.discard(instance_id)
         self._retire(inst)
         log.info("unregistered instance %d", instance_id)
         return True
 
     def lookup(self, key: dict[str, Any]) -> dict[str, Any]:
-        ck = CacheKey.from_wire(key)
+        ck = self._key(key)
+        caller = self.transport.current_client()
+        owner = ck.request_id
+        self._check_may_use_owner(owner, caller)
+        conn = self._connection(caller)
         digests = ck.chunk_hashes(self.config.chunk_size)
-        hit = self.store.lookup(ck.request_id, digests)
+        with self._lock:
+            if conn.ended:
+                raise RequestError("this connection's lease has ended; send the request again")
+            new_owner = owner not in conn.owners and self.store.holder(owner) is None
+            if new_owner and len(conn.owners) >= self.limits.max_lock_owners_per_connection:
+                raise LimitExceeded(f"this connection holds the lookup locks of {len(conn.owners)} requests, the "
+                                    "most max_lock_owners_per_connection="
+                                    f"{self.limits.max_lock_owners_per_connection} allows; free some first")
+            hit = self.store.lookup(owner, digests, holder=caller)
+            if hit:
+                if self.store.holder(owner) == caller:
+                    conn.owners.add(owner)
+                hit_tokens = sum(o.num_tokens for o in hit)
+                self._looked_up[owner] = (ck.prefix(hit_tokens), digests[:len(hit)])
         reply: dict[str, Any] = {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
         if hit:
-            self._looked_up[ck.request_id] = (ck, digests)
             reply["located"] = self._locations(hit)
         return reply
+
+    def _key(self, key: dict[str, Any]) -> CacheKey:
+        """The request's key, refused before anything is done if it is longer than the server's bounds."""
+        ck = CacheKey.from_wire(key)
+        limits = self.limits
+        if len(ck.request_id.encode("utf-8", "surrogatepass")) > limits.max_request_id_bytes:
+            raise LimitExceeded(f"request id of {len(ck.request_id)} characters is longer than "
+                                f"max_request_id_bytes={limits.max_request_id_bytes}")
+        if ck.num_tokens > limits.max_prompt_tokens:
+            raise LimitExceeded(f"the key names {ck.num_tokens} tokens, more than "
+                                f"max_prompt_tokens={limits.max_prompt_tokens}")
+        return ck
+
+    def _check_may_use_owner(self, owner: str, caller: bytes | None) -> None:
+        """Refuse a request naming lock owner ``owner`` unless ``caller`` may use its locks: the connection that
+        holds them, or the one that registered the instance the owner names (``request@iN``: the engine's
+        worker, whose scheduler took the locks on its own connection). Nothing is changed by a refusal."""
+        holder = self.store.holder(owner)
+        if holder is None or caller is None or holder == caller:
+            return
+        instance_id = instance_of_lock_owner(owner)
+        with self._lock:
+            inst = self._instances.get(instance_id) if instance_id is not None else None
+            if inst is not None and inst.owner == caller:
+                return
+        raise NotYours(f"the lookup locks of {owner!r} are held by another connection; this connection may not "
+                       "use or free them")
 
     def _locations(self, objects: list[StoredObject]) -> dict[str, Any] | None:
         """Where a LOOKUP's locked hit lies in the pool, for an engine that copies it itself (worker placement).
 
-        The locks keep these objects in place until FREE_LOOKUP_LOCKS or END_SESSION, so an engine that has
+        The locks keep these objects in place until FREE_LOOKUP_LOCKS (or their holder's lease ends), so an engine that has
         this needs no RETRIEVE round trip before its first copy. ``None`` when the objects do not share one
         shape (the engine then sends RETRIEVE, which names the mismatch).
         """
         shape = objects[0].shape_signature
         if any(o.shape_signature != shape for o in objects):
             return None
-        return {"pool": self._pool_ref(), "shape": list(shape),
-                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects]}
+        return {"pool": self._pool_ref(), "shape": list(shape), "objects": self._object_rows(objects)}
+
+    @staticmethod
+    def _object_rows(objects: list[StoredObject]) -> list[list[int]]:
+        """What an engine copying from the pool needs of each object: ``[offset, nbytes, tokens, slot,
+        generation]`` (the last two: its generation-table word, checked once the copy has ended)."""
+        return [[o.offset, o.nbytes, o.num_tokens, o.slot, o.generation] for o in objects]
 
     def _pool_ref(self) -> dict[str, Any]:
-        """The L1 pool as an engine maps it: the segment's name and size."""
-        return {"name": self.store.segment.name, "size": self.store.capacity}
+        """The L1 pool as an engine maps it: the segment's name and size, and its generation table's."""
+        return {"name": self.store.segment.name, "size": self.store.capacity,
+                "generations": {"name": self.store.generation_segment.name, "slots": self.store.max_objects}}
 
     def free_lookup_locks(self, request_id: str) -> int:
-        return self._release_locks(request_id)
-
-    def end_session(self, request_id: str) -> int:
+        """Release the lookup locks of lock owner ``request_id`` (a request's, or one rank's of it); how many."""
+        self._check_may_use_owner(request_id, self.transport.current_client())
         return self._release_locks(request_id)
 
     def _release_locks(self, request_id: str) -> int:
-        self._looked_up.pop(request_id, None)
-        return self.store.release_locks(request_id)
+        with self._lock:
+            holder = self.store.holder(request_id)
+            conn = self._connections.get(holder) if holder is not None else None
+            if conn is not None:
+                conn.owners.discard(request_id)
+            self._looked_up.pop(request_id, None)
+            return self.store.release_locks(request_id)
 
     @hands_over_turn
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
+        ck = self._key(key)
         inst = self._acquire(instance_id)
-        return self._while_in_use(inst, lambda: self._store(inst, key, block_ids, event_handle, skip_first_n_tokens))
+        return self._while_in_use(inst, lambda: self._store(inst, ck, block_ids, event_handle, skip_first_n_tokens))
 
-    def _store(self, inst: _Instance, key: dict[str, Any], block_ids: list[list[int]], event_handle: bytes | None,
+    def _store(self, inst: _Instance, ck: CacheKey, block_ids: list[list[int]], event_handle: bytes | None,
                skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
-        ck = CacheKey.from_wire(key)
         n = ck.num_tokens
         layout = inst.layout
         if not 0 <= skip_first_n_tokens <= n:
@@ -310,16 +430,19 @@ class CacheServer:
         inst.target.wait_for_engine(event_handle)
         if not inst.target.enqueues:
             self.transport.release_turn()  # this target copies in the call: free the socket first
-        skipped = 0
+        skipped = in_progress = 0
         # Every chunk's gather is enqueued before one finish(): a device target then
         # copies chunk after chunk back to back instead of idling between them.
         pending: list[tuple[StoredObject, int]] = []
         full: StoreFull | None = None
         try:
             try:
-                for obj, start, count in self._reserve_chunks(digests, n, layout, skip_first_n_tokens):
+                for obj, start, count, busy in self._reserve_chunks(digests, n, layout, skip_first_n_tokens):
                     if obj is None:
-                        skipped += count
+                        if busy:
+                            in_progress += count
+                        else:
+                            skipped += count
                         continue
                     pending.append((obj, count))
                     job = planner.TransferJob(layout, block_ids, [planner.ChunkCopy(0, 0, count, start)])
@@ -354,14 +477,17 @@ class CacheServer:
                 stored += count
             if full is not None:
                 raise full
-            return {"stored_tokens": stored, "skipped_tokens": skipped}
+            return {"stored_tokens": stored, "skipped_tokens": skipped, "in_progress_tokens": in_progress}
 
         return self._answer(inst.target, done, settle)
 
-    def _reserve_chunks(self, digests: Iterable[bytes], num_tokens: int, layout: PagedKVLayout,
-                        skip: int) -> Iterator[tuple[StoredObject | None, int, int]]:
-        """For each chunk of a prompt being stored, in order: (its new uncommitted object, first token, tokens),
-        or ``None`` for the object where the chunk is before ``skip`` or already stored.
+    def _reserve_chunks(self, digests: Iterable[bytes], num_tokens: int, layout: PagedKVLayout, skip: int,
+                        budget: Callable[[int], None] | None = None
+                        ) -> Iterator[tuple[StoredObject | None, int, int, bool]]:
+        """For each chunk of a prompt being stored, in order: (its new uncommitted object, first token, tokens,
+        False), or ``None`` for the object where the chunk is before ``skip`` or already stored, or (the flag
+        True) being stored by another request whose bytes have not landed yet (not a hit until they do).
+        ``budget(nbytes)`` is asked before each object is reserved and raises :class:`StoreFull` to stop.
 
         STORE and RESERVE_STORE both walk a prompt this way. Lazy, so a STORE starts copying its first chunk
         before the later ones are hashed; raises :class:`StoreFull` at the first chunk that finds no room (the
@@ -372,15 +498,21 @@ class CacheServer:
             start = index * cs
             count = min(cs, num_tokens - start)
             if start + count <= skip:
-                yield None, start, count
+                yield None, start, count, False
                 continue
-            yield self.store.reserve(digest, count, layout.object_bytes(count), layout.shape_signature()), start, count
+            nbytes = layout.object_bytes(count)
+            if budget is not None:
+                budget(nbytes)
+            obj = self.store.reserve(digest, count, nbytes, layout.shape_signature())
+            yield obj, start, count, obj is None and self.store.is_pending(digest)
 
     def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
         """Worker placement: reserve objects for the key's chunks that are not stored yet; the engine copies
         into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
-        ck = CacheKey.from_wire(key)
+        ck = self._key(key)
         n = ck.num_tokens
+        caller = self.transport.current_client()
+        conn = self._connection(caller)
         inst = self._acquire(instance_id)
         try:
             if inst.placement != PLACEMENT_WORKER:
@@ -390,26 +522,45 @@ class CacheServer:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's "
                                    "tokens)")
             reserved: list[tuple[StoredObject, int]] = []
-            objects, skipped, full = [], 0, None
+            objects, skipped, in_progress, full = [], 0, 0, None
+            share = int(self.limits.max_reserved_fraction * self.store.capacity)
+            taken = 0
+
+            def budget(nbytes: int) -> None:
+                if conn.reserved_bytes + taken + nbytes > share:
+                    raise StoreFull(f"this connection's store reservations would hold {conn.reserved_bytes + taken + nbytes} "
+                                    f"bytes, more than max_reserved_fraction={self.limits.max_reserved_fraction} of "
+                                    f"the pool ({share} bytes); commit or drop some first")
+
             try:
-                for obj, start, count in self._reserve_chunks(ck.iter_chunk_hashes(self.config.chunk_size), n,
-                                                              inst.layout, skip_first_n_tokens):
+                bounded = budget if self.limits.max_reserved_fraction < 1 else None  # 1: the pool is the bound
+                for obj, start, count, busy in self._reserve_chunks(ck.iter_chunk_hashes(self.config.chunk_size), n,
+                                                                    inst.layout, skip_first_n_tokens, bounded):
                     if obj is None:
-                        skipped += count
+                        if busy:
+                            in_progress += count
+                        else:
+                            skipped += count
                         continue
                     reserved.append((obj, count))
+                    taken += obj.nbytes
                     objects.append([obj.offset, obj.nbytes, count, start])
             except StoreFull as exc:
                 full = str(exc)  # reserve what fits, from the prompt's start; the rest is not stored
             with self._lock:
+                if conn.ended:
+                    for obj, _ in reserved:
+                        self.store.abandon(obj)
+                    raise RequestError("this connection's lease has ended; send the request again")
                 rid = self._next_reservation
                 self._next_reservation += 1
-                self._reservations[rid] = _Reservation(instance_id, self.transport.current_client(), ck.request_id,
-                                                       reserved)
+                self._reservations[rid] = _Reservation(instance_id, caller, ck.request_id, reserved, conn)
+                conn.reservations.add(rid)
+                conn.reserved_bytes += taken
         finally:
             self._release(inst)
-        return {"reservation": rid, "objects": objects, "skipped_tokens": skipped, "full": full,
-                "pool": self._pool_ref()}
+        return {"reservation": rid, "objects": objects, "skipped_tokens": skipped, "in_progress_tokens": in_progress,
+                "full": full, "pool": self._pool_ref()}
 
     def commit_store(self, reservation: int, landed: bool) -> dict[str, Any]:
         """Commit a reservation whose copies the engine saw complete, or drop it (``landed`` false)."""
@@ -420,8 +571,8 @@ class CacheServer:
                 raise RequestError(f"no store reservation {reservation} (committed or dropped already, or its "
                                    "instance was unregistered)")
             if res.owner is not None and caller is not None and caller != res.owner:
-                raise RequestError(f"store reservation {reservation} belongs to another connection")
-            del self._reservations[reservation]
+                raise NotYours(f"store reservation {reservation} belongs to another connection")
+            self._forget_reservation(reservation, res)
         stored = stored_bytes = 0
         for obj, count in res.objects:
             if landed:
@@ -434,12 +585,20 @@ class CacheServer:
                         reservation, res.request_id)
         return {"stored_tokens": stored, "stored_bytes": stored_bytes}
 
+    def _forget_reservation(self, reservation: int, res: _Reservation) -> None:
+        """Take a reservation off the books (under the lock); its objects are the caller's to commit or drop."""
+        del self._reservations[reservation]
+        if res.connection is not None:
+            res.connection.reservations.discard(reservation)
+            res.connection.reserved_bytes -= res.nbytes
+
     def _drop_reservations(self, instance_id: int) -> None:
         """An instance went away (unregistered, or replaced by a restarted engine): its reservations go too."""
         with self._lock:
-            dropped = [r for k, r in list(self._reservations.items()) if r.instance_id == instance_id
-                       and self._reservations.pop(k)]
-        for res in dropped:
+            dropped = [(k, r) for k, r in list(self._reservations.items()) if r.instance_id == instance_id]
+            for k, r in dropped:
+                self._forget_reservation(k, r)
+        for _, res in dropped:
             for obj, _ in res.objects:
                 self.store.abandon(obj)
         if dropped:
@@ -450,12 +609,11 @@ class CacheServer:
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
                  layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
-        ck = CacheKey.from_wire(key)
-        try:
-            inst = self._acquire(instance_id)
-        except Exception:
-            self._release_locks(ck.request_id)
-            raise
+        # A refused RETRIEVE frees nothing: the locks it names stay with their holder, who frees them (the
+        # engine's runtime does on any failed load) or loses them with its lease.
+        ck = self._key(key)
+        self._check_may_use_owner(ck.request_id, self.transport.current_client())
+        inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._retrieve(inst, ck, block_ids, event_handle, skip_first_n_tokens,
                                                                arrival_board, layer_event_handles, layers_per_stage))
 
@@ -463,8 +621,8 @@ class CacheServer:
                   skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
                   layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
         board: ArrivalBoard | None = None
-        keep_locks = False
         copying = False
+        plan: _RetrievePlan | None = None
         try:
             # Everything is checked before anything is written: a rejected RETRIEVE writes no board word,
             # no cache byte and no mailbox slot.
@@ -476,23 +634,24 @@ class CacheServer:
             if arrival_board is not None:
                 board = self._board(arrival_board)
             if inst.placement == PLACEMENT_WORKER:
-                result = self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
-                keep_locks = True  # the worker copies now; FREE_LOOKUP_LOCKS or END_SESSION unpins
-                return result
+                # the worker copies now; its FREE_LOOKUP_LOCKS unpins
+                return self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
             plan = self._plan_retrieve(ck, inst, block_ids, skip_first_n_tokens, board, event_handle,
                                        layer_event_handles, layers_per_stage)
+            # The copy pins its objects itself: whatever happens to the lookup locks meanwhile (freed, their
+            # holder's lease ended), no object it reads is evicted before the copy has ended.
+            self.store.pin(plan.objects)
             copying = True  # from here on a failure is the transfer's, reported on its (verified) board
             done, settle = self._retrieve_into_cache(ck, inst, board, arrival_board, plan)
-            keep_locks = True  # from here the settle below releases them, however it ends
         except Exception:
-            if copying and board is not None:
-                board.fail(arrival_board["slot"], arrival_board["generation"])
+            if copying:
+                self.store.unpin(plan.objects)
+                self._release_locks(ck.request_id)  # it was served, and failed: its locks are done with
+                if board is not None:
+                    board.fail(arrival_board["slot"], arrival_board["generation"])
             raise
-        finally:
-            if not keep_locks:
-                self._release_locks(ck.request_id)
         return self._answer(inst.target, done,
-                            self._settling_retrieve(settle, ck.request_id, board, arrival_board))
+                            self._settling_retrieve(settle, ck.request_id, board, arrival_board, plan.objects))
 
     def _while_in_use(self, inst: _Instance, transfer: Callable[[], dict[str, Any] | Deferred]) -> dict[str, Any] | Deferred:
         """Run a transfer on an acquired instance; let the instance go once the transfer has ended (at once,
@@ -523,7 +682,8 @@ class CacheServer:
         return Deferred(settle, done.ready, done.handle) if target.enqueues else settle()
 
     def _settling_retrieve(self, settle: Callable[[], dict[str, Any]], request_id: str, board: ArrivalBoard | None,
-                           board_ref: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
+                           board_ref: dict[str, Any] | None,
+                           pinned: list[StoredObject]) -> Callable[[], dict[str, Any]]:
         """A retrieve's settle with the failure and lock handling retrieve() gives its start."""
 
         def run() -> dict[str, Any]:
@@ -534,6 +694,7 @@ class CacheServer:
                     board.fail(board_ref["slot"], board_ref["generation"])
                 raise
             finally:
+                self.store.unpin(pinned)
                 self._release_locks(request_id)
 
         return run
@@ -558,7 +719,7 @@ class CacheServer:
         # block_ids name the worker's own cache, which only the worker can check
         objects = self._locked_objects(ck, inst.layout)
         return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_stage": 0, "fallback": None,
-                "objects": [[o.offset, o.nbytes, o.num_tokens] for o in objects], "pool": self._pool_ref()}
+                "objects": self._object_rows(objects), "pool": self._pool_ref()}
 
     def _plan_retrieve(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]], skip: int,
                        board: ArrivalBoard | None, event_handle: bytes | None,
@@ -666,9 +827,13 @@ class CacheServer:
         with self._lock:
             inst.transfers -= 1
             close = inst.retired and inst.transfers == 0
+            if close:
+                self._draining = [i for i in self._draining if i is not inst]
         if close:
             inst.target.close()
             log.info("instance %d's cache closed: its last transfer has ended", inst.instance_id)
+            if inst.connection is not None:
+                self._close_boards_if_idle(inst.connection)
 
     def _retire(self, inst: _Instance) -> None:
         """Close an unregistered or replaced instance's target now, or once its transfers end."""
@@ -676,6 +841,8 @@ class CacheServer:
         with self._lock:
             inst.retired = True
             close = inst.transfers == 0
+            if not close:
+                self._draining.append(inst)
         if close:
             inst.target.close()
         else:
@@ -685,8 +852,78 @@ class CacheServer:
     def _check_owner(self, inst: _Instance) -> None:
         caller = self.transport.current_client()
         if inst.owner is not None and caller is not None and caller != inst.owner:
-            raise RequestError(f"instance {inst.instance_id} belongs to another connection (the one that "
-                               "registered it); this client may not use or unregister it")
+            raise NotYours(f"instance {inst.instance_id} belongs to another connection (the one that "
+                           "registered it); this client may not use or unregister it")
+
+    # --- connections and leases ------------------------------------------------------
+
+    def _connection(self, identity: bytes | None) -> Connection:
+        """The record of what connection ``identity`` holds (made at its first request that takes anything)."""
+        with self._lock:
+            conn = self._connections.get(identity)
+            if conn is None:
+                conn = self._connections[identity] = Connection(identity)
+            return conn
+
+    def _watch_leases(self) -> None:
+        """End every connection that went away or whose lease ran out (see :mod:`.connections`)."""
+        lease = self.limits.lease_seconds
+        period = min(1.0, lease / 4)
+        while not self._stopping.wait(period):
+            try:
+                now = time.monotonic()
+                with self._lock:
+                    identities = [i for i in self._connections if i is not None]
+                for identity in identities:
+                    seen = self.transport.last_seen(identity)
+                    if seen is None or now - seen > lease:
+                        self.end_connection(identity, f"its lease ran out (silent for more than {lease:g}s)")
+                    elif not self.transport.is_connected(identity):
+                        self.end_connection(identity, "it disconnected")
+                self.transport.forget_silent(lease)
+            except Exception:  # the watcher must outlive any one failure, or leases would stop ending
+                if self._stopping.is_set():
+                    return
+                log.exception("lease watcher: unexpected error; it goes on")
+
+    def end_connection(self, identity: bytes, why: str) -> None:
+        """Let go of everything connection ``identity`` holds: its instances (closed once their transfers end),
+        its store reservations, the lookup locks it holds and those naming its instances, its arrival boards and
+        its rings. A request it sends later starts afresh (an instance it names is unknown: it registers again)."""
+        with self._lock:
+            conn = self._connections.pop(identity, None)
+            if conn is None:
+                return
+            conn.ended = True
+            instances = [self._instances.pop(i) for i in sorted(conn.instances) if
+                         self._instances.get(i) is not None and self._instances[i].connection is conn]
+            reservations = [(k, self._reservations[k]) for k in sorted(conn.reservations) if k in self._reservations]
+            for k, res in reservations:
+                self._forget_reservation(k, res)
+            mine = {inst.instance_id for inst in instances}
+            owners = set(conn.owners) | {o for o in self._looked_up if instance_of_lock_owner(o) in mine}
+        for k, res in reservations:
+            for obj, _ in res.objects:
+                self.store.abandon(obj)
+        for owner in owners:
+            self._release_locks(owner)
+        for inst in instances:
+            self._retire(inst)
+        self._close_boards_if_idle(conn)
+        self.transport.forget(identity)
+        self.connections_ended += 1
+        log.info("connection %s ended (%s): released %d cache instance(s) %s, %d store reservation(s), the lookup "
+                 "locks of %d request(s), %d arrival board(s)", conn.label(), why, len(instances), sorted(mine),
+                 len(reservations), len(owners), len(conn.boards))
+
+    def _close_boards_if_idle(self, conn: Connection) -> None:
+        """Unmap an ended connection's arrival boards once no transfer of its instances can write them."""
+        with self._lock:
+            if not conn.ended or any(i.connection is conn for i in self._draining):
+                return
+            boards, conn.boards = list(conn.boards.values()), {}
+        for board in boards:
+            board.close()
 
     def _board(self, ref: dict[str, Any]) -> ArrivalBoard:
         """The arrival board a RETRIEVE names, mapped only once its header says it is one, with the slot and
@@ -696,15 +933,26 @@ class CacheServer:
         name = ref["name"]
         if name == self.store.segment.name:
             raise RequestError(f"arrival board {name} is the server's own L1 pool, not an arrival board")
+        conn = self._connection(self.transport.current_client())
         with self._lock:
-            board = self._boards.get(name)
+            board = conn.boards.get(name)
         if board is None:
+            if len(conn.boards) >= self.limits.max_instances_per_connection:
+                raise LimitExceeded(f"this connection has named {len(conn.boards)} arrival boards, the most "
+                                    "max_instances_per_connection="
+                                    f"{self.limits.max_instances_per_connection} allows (one per registered cache)")
             try:
                 board = ArrivalBoard.attach(name)
             except (SegmentKindError, ValueError, OSError) as exc:
                 raise RequestError(f"arrival board refused: {exc}") from None
             with self._lock:
-                board = self._boards.setdefault(name, board)
+                if conn.ended:
+                    board.close()
+                    raise RequestError("this connection's lease has ended; register again")
+                kept = conn.boards.setdefault(name, board)
+            if kept is not board:
+                board.close()
+            board = kept
         try:
             board.check_ref(ref.get("slot"), ref.get("generation"))
         except ValueError as exc:

@@ -8,6 +8,8 @@ prefix's chunks, and a chunk is only ever reused after the exact same prefix.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -97,6 +99,13 @@ class CacheKey:
         if self.page_hashes is not None:
             return len(self.page_hashes) * self.page_size
         return len(self.tokens) // TOKEN_DTYPE.itemsize
+
+    def prefix(self, num_tokens: int) -> "CacheKey":
+        """This key cut to its first ``num_tokens`` tokens (whole pages, for a key by page hashes)."""
+        if self.page_hashes is not None:
+            pages = -(-num_tokens // self.page_size)
+            return dataclasses.replace(self, page_hashes=self.page_hashes[:pages])
+        return dataclasses.replace(self, tokens=self.tokens[:num_tokens * TOKEN_DTYPE.itemsize])
 
     def same_shard(self, other: "CacheKey") -> bool:
         """Whether both keys hash under the same model shard (model, world size, rank, salt) the same way."""

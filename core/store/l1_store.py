@@ -6,12 +6,23 @@ object would make both per-object costs. Objects are ``[kv, layer, token,
 hidden]`` bytes at an aligned offset; the store tracks only offsets, sizes and
 locks, never the bytes' meaning beyond the shape signature.
 
-Locks: LOOKUP read-locks the chunks it reports for that request, so they cannot
-be evicted or moved between LOOKUP and RETRIEVE, or, in worker placement, until
-the engine's own copy from the offsets the LOOKUP reported is done. RETRIEVE
-(server placement), FREE_LOOKUP_LOCKS and END_SESSION release them. A STORE
-that cannot find room after evicting every unlocked object fails with
-:class:`StoreFull`; it never overwrites a locked object.
+Locks: LOOKUP read-locks the chunks it reports for a *lock owner* (a request of
+one engine rank), so they cannot be evicted or moved between LOOKUP and RETRIEVE,
+or, in worker placement, until the engine's own copy from the offsets the LOOKUP
+reported is done. RETRIEVE (server placement) and FREE_LOOKUP_LOCKS release them.
+Each owner is held by one connection (its *holder*, the server's
+:class:`~kvstrata.core.server.connections.Connection`); the server checks who may
+name it. A STORE that cannot find room after evicting every unlocked object fails
+with :class:`StoreFull`; it never overwrites a locked object.
+
+Generations: a lock can still be lost (its holder's lease ran out, a bug, another
+process), and an engine that copies from the pool itself must then never take
+evicted-and-reused bytes for its KV. So every object has a slot in a small
+shared-memory *generation table* (one 64-bit word per slot, mapped read-only by
+engines) holding the object's generation while it lives; the word is cleared
+before the object's memory can be handed to another object. A reader that noted
+(slot, generation) before its copy and finds the word unchanged after it knows
+the bytes it copied were the object's (:func:`generations_unchanged`).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from kvstrata.core.shm import Segment
@@ -46,6 +58,10 @@ class StoredObject:
     """(kv, layers, heads, head_bytes) of the cache it was gathered from."""
     locks: int = 0
     committed: bool = False
+    slot: int = 0
+    """Its word in the generation table."""
+    generation: int = 0
+    """What that word holds while this object lives (never 0)."""
 
 
 def object_view(pool: torch.Tensor, obj: StoredObject) -> torch.Tensor:
@@ -66,6 +82,21 @@ def span_view(pool: torch.Tensor, shape_signature: tuple[int, int, int, int], of
         raise ValueError(f"L1 object at offset {offset} with {num_tokens} tokens lies outside the "
                          f"{pool.numel()}-byte pool")
     return pool[offset:offset + nbytes].view(kv, layers, num_tokens, heads, head_bytes)
+
+
+def generations_unchanged(table: np.ndarray, rows: "Iterable[tuple[int, int]]") -> bool:
+    """Whether every (slot, generation) in ``rows`` still holds in ``table`` (a generation table's words).
+
+    Read after a copy from the objects has ended: True means none of them was freed before then, so no other
+    object's bytes can have been written where they were copied from."""
+    rows = list(rows)
+    if not rows:
+        return True
+    slots = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    expected = np.fromiter((r[1] for r in rows), dtype=np.uint64, count=len(rows))
+    if slots.min() < 0 or slots.max() >= table.shape[0]:
+        return False
+    return bool(np.array_equal(table[slots], expected))
 
 
 class _FreeList:
@@ -114,13 +145,25 @@ class _FreeList:
 class L1Store:
     """Chunk objects keyed by rolling-hash digest, in one shared-memory pool."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, max_objects: int | None = None) -> None:
+        """``max_objects``: slots of the generation table (default: one per 4 KiB of pool, at least 1,024)."""
         self.segment = Segment.create("l1", capacity_bytes)
         self.capacity = capacity_bytes
         self.pool = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+        self.max_objects = max_objects or max(1024, capacity_bytes >> 12)
+        try:
+            self.generation_segment = Segment.create("l1gen", self.max_objects * 8)
+        except BaseException:
+            self.segment.destroy()
+            raise
+        self.generations = np.frombuffer(self.generation_segment.buf, dtype=np.uint64)
+        self._free_slots = list(range(self.max_objects - 1, -1, -1))
+        self._next_generation = 1
         self._free = _FreeList(capacity_bytes)
         self._objects: "collections.OrderedDict[bytes, StoredObject]" = collections.OrderedDict()
         self._lookup_locks: dict[str, collections.Counter[bytes]] = {}
+        self._holders: dict[str, object] = {}
+        """Lock owner -> the connection holding its locks (see the module docstring)."""
         self._lock = threading.RLock()
         self.evictions = 0
 
@@ -131,8 +174,10 @@ class L1Store:
 
     # --- lookup and locks ------------------------------------------------------------
 
-    def lookup(self, request_id: str, digests: list[bytes], lock: bool = True) -> list[StoredObject]:
-        """The longest run of committed objects from the first digest on; locked for request_id."""
+    def lookup(self, request_id: str, digests: list[bytes], lock: bool = True,
+               holder: object = None) -> list[StoredObject]:
+        """The longest run of committed objects from the first digest on; locked for request_id, whose locks
+        ``holder`` (a connection) then holds."""
         with self._lock:
             hit = []
             for d in digests:
@@ -141,6 +186,7 @@ class L1Store:
                     break
                 hit.append(obj)
             if lock and hit:
+                self._holders.setdefault(request_id, holder)
                 held = self._lookup_locks.setdefault(request_id, collections.Counter())
                 for obj in hit:
                     obj.locks += 1
@@ -161,9 +207,31 @@ class L1Store:
                 out.append(self._objects[d])
             return out
 
+    def holder(self, request_id: str) -> object:
+        """The connection holding request_id's lookup locks (None: none held, or held from inside the server)."""
+        with self._lock:
+            return self._holders.get(request_id)
+
+    def owners_held_by(self, holder: object) -> list[str]:
+        with self._lock:
+            return [o for o, h in self._holders.items() if h is holder]
+
+    def pin(self, objects: Iterable[StoredObject]) -> None:
+        """Lock objects for a transfer of the server's own (released by :meth:`unpin`), whatever happens to the
+        lookup locks meanwhile."""
+        with self._lock:
+            for obj in objects:
+                obj.locks += 1
+
+    def unpin(self, objects: Iterable[StoredObject]) -> None:
+        with self._lock:
+            for obj in objects:
+                obj.locks -= 1
+
     def release_locks(self, request_id: str) -> int:
         """Release every lookup lock request_id holds; returns how many."""
         with self._lock:
+            self._holders.pop(request_id, None)
             held = self._lookup_locks.pop(request_id, None)
             if not held:
                 return 0
@@ -174,10 +242,6 @@ class L1Store:
                     obj.locks -= count
                     n += count
             return n
-
-    def locks_held(self, request_id: str) -> int:
-        with self._lock:
-            return sum(self._lookup_locks.get(request_id, {}).values())
 
     # --- allocation ------------------------------------------------------------------
 
@@ -194,6 +258,9 @@ class L1Store:
             if digest in self._objects:
                 self._objects.move_to_end(digest)
                 return None
+            while not self._free_slots:
+                if not self._evict_one():
+                    raise StoreFull(f"L1 object table full: all {self.max_objects} objects are locked")
             offset = self._free.alloc(nbytes)
             while offset is None:
                 if not self._evict_one():
@@ -202,9 +269,28 @@ class L1Store:
                         f"and every remaining object is locked"
                     )
                 offset = self._free.alloc(nbytes)
-            obj = StoredObject(digest, offset, nbytes, num_tokens, shape_signature, locks=1)
+            slot = self._free_slots.pop()
+            generation = self._next_generation
+            self._next_generation += 1
+            self.generations[slot] = generation
+            obj = StoredObject(digest, offset, nbytes, num_tokens, shape_signature, locks=1, slot=slot,
+                               generation=generation)
             self._objects[digest] = obj
             return obj
+
+    def is_pending(self, digest: bytes) -> bool:
+        """Whether digest is reserved by a store whose bytes have not landed yet (not visible to LOOKUP)."""
+        with self._lock:
+            obj = self._objects.get(digest)
+            return obj is not None and not obj.committed
+
+    def _free_object(self, obj: StoredObject) -> None:
+        """Forget ``obj`` and give its memory back; its generation word is cleared first, so a reader that
+        copied from it learns that its bytes may be overwritten from now on."""
+        del self._objects[obj.digest]
+        self.generations[obj.slot] = 0
+        self._free_slots.append(obj.slot)
+        self._free.free(obj.offset, obj.nbytes)
 
     def commit(self, obj: StoredObject) -> None:
         with self._lock:
@@ -215,14 +301,12 @@ class L1Store:
         """Drop a reserved object whose bytes never arrived."""
         with self._lock:
             if self._objects.get(obj.digest) is obj:
-                del self._objects[obj.digest]
-                self._free.free(obj.offset, obj.nbytes)
+                self._free_object(obj)
 
     def _evict_one(self) -> bool:
-        for digest, obj in self._objects.items():
+        for obj in self._objects.values():
             if obj.locks == 0 and obj.committed:
-                del self._objects[digest]
-                self._free.free(obj.offset, obj.nbytes)
+                self._free_object(obj)
                 self.evictions += 1
                 return True
         return False
@@ -241,4 +325,6 @@ class L1Store:
 
     def close(self) -> None:
         del self.pool
+        del self.generations
         self.segment.destroy()
+        self.generation_segment.destroy()

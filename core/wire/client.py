@@ -112,8 +112,5 @@ class CacheClient:
     def free_lookup_locks(self, request_id: str) -> int:
         return self.transport.call(RequestType.FREE_LOOKUP_LOCKS, [request_id])
 
-    def end_session(self, request_id: str) -> int:
-        return self.transport.call(RequestType.END_SESSION, [request_id])
-
     def close(self) -> None:
         self.transport.close()

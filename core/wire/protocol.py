@@ -29,7 +29,7 @@ class RequestType(enum.IntEnum):
     STORE = 4
     RETRIEVE = 5
     FREE_LOOKUP_LOCKS = 6
-    END_SESSION = 7
+    # 7 was END_SESSION, the same request as FREE_LOOKUP_LOCKS under another name: retired, never reuse it.
     SERVER_INFO = 8
     ATTACH_RINGS = 9
     """Served by the transport itself, not by a registered handler: see :data:`TRANSPORT_REQUESTS`."""
@@ -239,7 +239,6 @@ DECLARATIONS: dict[RequestType, Declaration] = {
         ),
         Declaration(RequestType.RETRIEVE, RETRIEVE_ITEMS, MAP, blocking=True),
         Declaration(RequestType.FREE_LOOKUP_LOCKS, (Item("request_id", STR),), INT, blocking=False),
-        Declaration(RequestType.END_SESSION, (Item("request_id", STR),), INT, blocking=False),
         Declaration(
             RequestType.RESERVE_STORE,
             (Item("key", CACHE_KEY), Item("instance_id", NONNEG_INT), Item("skip_first_n_tokens", NONNEG_INT)),

@@ -113,7 +113,7 @@ def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_serve
     try:
         key = CacheKey("probe-ee", "vllm-gpu-engine-executed", 1, 0, pack_tokens(tokens), None)
         assert probe.lookup(key) == len(tokens)
-        probe.end_session("probe-ee")
+        probe.free_lookup_locks("probe-ee")
     finally:
         probe.close()
 
