@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import signal
@@ -30,6 +31,7 @@ def _setup_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstrata.core.server.connections import ConnectionLimits
     from kvstrata.core.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, default_address
 
     from kvstrata import __version__
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, metavar="FILE",
                    help="a TOML or YAML file of these settings, named as the flags "
                         "without dashes (l1_size = \"4G\"); flags given here override it")
+    for limit in dataclasses.fields(ConnectionLimits):
+        s.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
+                       default=limit.default, help=f"{limit.metadata['help']} (default {limit.default})")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     st = sub.add_parser("status", help="show a running server: pool use, instances, transfers, hit rate",
@@ -116,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+    from kvstrata.core.server.connections import ConnectionLimits
     from kvstrata.core.wire.transport import default_address
 
     config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
@@ -123,7 +129,9 @@ def serve(args: argparse.Namespace) -> int:
                           allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
                           deferred_replies=args.deferred_replies, metrics_port=args.metrics_port,
                           max_message_bytes=args.max_message_bytes, curve_secret_key=args.curve_secret_key,
-                          curve_clients=args.curve_clients)
+                          curve_clients=args.curve_clients,
+                          limits=ConnectionLimits(**{f.name: getattr(args, f.name)
+                                                     for f in dataclasses.fields(ConnectionLimits)}))
     from kvstrata.native import target_openers
     from kvstrata.native.cuda_executor import CudaTransferConfig
 

@@ -79,6 +79,12 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "curve_secret_key": _str,
     "curve_clients": _str,
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
+    "lease_seconds": _number,
+    "max_instances_per_connection": _int(1),
+    "max_reserved_fraction": _number,
+    "max_lock_owners_per_connection": _int(1),
+    "max_prompt_tokens": _int(1),
+    "max_request_id_bytes": _int(1),
 }
 
 

@@ -76,6 +76,10 @@ see :meth:`Server.enable_busy_poll`."""
 _POLL_MS = 100
 """How long a waiting thread sleeps on the socket before it checks for shutdown."""
 
+HEARTBEAT_S = 1.0
+"""A client sends a PING when it has sent nothing for this long, so the server can tell a live connection that
+has nothing to ask from a stopped process (the server's lease is many heartbeats long)."""
+
 _IDLE_S = 1.0
 """How long a thread waiting for the turn sleeps before it looks for queued work (a hand-over wakes it sooner)."""
 
@@ -444,6 +448,8 @@ class Server:
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         """Clients that attached rings, by ZMQ identity (see ATTACH_RINGS)."""
         self._peers_lock = threading.Lock()
+        self._last_seen: dict[bytes, float] = {}
+        """When each client's last frame arrived (see :meth:`last_seen`)."""
         self.ring_requests = 0
         """Requests served from a client's request ring, ahead of their ZMQ copy."""
 
@@ -737,7 +743,9 @@ class Server:
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes, codec.Request] | None:
         """(identity, request) of a well-formed request; anything else is answered with an error or dropped."""
-        self._last_request = time.monotonic()
+        self._last_request = now = time.monotonic()
+        if len(frames) == 2:
+            self._last_seen[frames[0]] = now  # any frame renews its connection's lease
         if len(frames) != 2:
             log.warning("dropping a message of %d frames (expected identity + one frame)", len(frames))
             self._count(False)
@@ -869,6 +877,26 @@ class Server:
         Handlers use it to tie what a client registers to that client (see ``CacheServer``)."""
         return getattr(self._local, "client", None)
 
+    def last_seen(self, identity: bytes) -> float | None:
+        """When client ``identity``'s last frame arrived (``time.monotonic()``), None if never or forgotten."""
+        return self._last_seen.get(identity)
+
+    def forget(self, identity: bytes) -> None:
+        """Drop what the transport keeps for client ``identity``: its rings (its mailbox once no transfer holds
+        a slot) and when it was last seen. Its later frames are served as any new client's."""
+        self._last_seen.pop(identity, None)
+        with self._peers_lock:
+            peer = self._peers.pop(identity, None)
+            if peer is not None:
+                peer.close()
+
+    def forget_silent(self, older_than_s: float) -> None:
+        """Forget every client silent for more than ``older_than_s`` seconds (the server's lease)."""
+        cutoff = time.monotonic() - older_than_s
+        for identity, seen in list(self._last_seen.items()):
+            if seen < cutoff:
+                self.forget(identity)
+
     def is_connected(self, identity: bytes) -> bool:
         """Whether the client ``identity`` is still connected: a frame it ignores (a reply to request 0,
         which no client sends) is routed to it, and ZMQ says at once if it has no such peer."""
@@ -932,6 +960,7 @@ class Client:
         self._pending: dict[int, tuple[RequestType, Future]] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._last_sent = time.monotonic()
         self._send_lock = threading.Lock()
         """Held from numbering a request to sending it: ids follow the order requests are sent in, which the
         server relies on to serve a request from the ring only when it is the next one (see Server)."""
@@ -975,6 +1004,7 @@ class Client:
         with self._send_lock:
             self._check_open()
             rid = next(self._ids)
+            self._last_sent = time.monotonic()
             frame = codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload])
             if fut is not None:
                 with self._pending_lock:
@@ -1159,6 +1189,13 @@ class Client:
                     return
                 raise
             self._resolve_inbox()
+            if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                try:
+                    self.send_oneway(RequestType.PING, [])  # renews this connection's lease on the server
+                except (RuntimeError, zmq.ZMQError):
+                    if self._stop.is_set() or self._closed:
+                        return
+                    raise
 
     def _resolve_inbox(self) -> None:
         while True:
