@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import hmac
 import logging
 import mmap
 import os
@@ -158,6 +159,47 @@ class Segment:
         self.close()
         if self.owner:
             self.unlink()
+
+
+# --- engine caches: proof of ownership -----------------------------------------------------------------
+#
+# The server writes into an engine cache that a REGISTER_KV_CACHE names, so it must know the registering
+# process owns that memory: a name is no proof (every segment is listed under /dev/shm). A cache segment made
+# by :func:`create_cache_segment` ends in a random token, which only the process that made it (and whoever
+# can read the segment: the same user) knows; the client sends it with the registration and the server
+# compares it with the segment's last bytes (:func:`proof_matches`).
+
+PROOF_BYTES = 32
+_proofs: dict[str, bytes] = {}
+"""Segment name -> the token this process wrote at its end."""
+
+
+def create_cache_segment(prefix: str, size: int) -> Segment:
+    """A segment of ``size`` bytes for an engine cache the server may write into, followed by the proof of
+    ownership (so its mapping is ``PROOF_BYTES`` longer; the cache is its first ``size`` bytes)."""
+    seg = Segment.create(prefix, size + PROOF_BYTES)
+    token = secrets.token_bytes(PROOF_BYTES)
+    seg.buf[size:size + PROOF_BYTES] = token
+    _proofs[seg.name] = token
+    seg.before_close.append(lambda name=seg.name: _proofs.pop(name, None))
+    return seg
+
+
+def proof_of(name: str) -> str | None:
+    """The proof for a cache segment this process made (hex), None for any other."""
+    token = _proofs.get(name)
+    return token.hex() if token is not None else None
+
+
+def proof_matches(seg: Segment, size: int, proof: object) -> bool:
+    """Whether ``seg`` (mapped whole) holds ``proof`` (hex) right after its first ``size`` bytes."""
+    if not isinstance(proof, str) or len(proof) != 2 * PROOF_BYTES or seg.size < size + PROOF_BYTES:
+        return False
+    try:
+        expected = bytes.fromhex(proof)
+    except ValueError:
+        return False
+    return hmac.compare_digest(bytes(seg.buf[size:size + PROOF_BYTES]), expected)
 
 
 # --- control segments: what the server may write into -------------------------------------------------

@@ -155,8 +155,14 @@ def test_register_refuses_descriptors_that_reach_outside_their_region_or_into_th
         bad("is an arrival board, not an engine cache",
             regions=[{"kind": "shm", "size": board.segment.size, "name": board.name}],
             offsets=[[[0, 0]] * 2] * 32, num_blocks=1, block_size=1)
-        bad("cannot be opened: segment .* holds 4096 bytes, fewer than",
+        bad("holds 4096 bytes, fewer than the .* its descriptor names",
             regions=[{"kind": "shm", "size": good["regions"][0]["size"], "name": other.name}])
+        # a segment this client did not make as a cache (no proof), or the engine's cache under a wrong proof
+        bad("no proof that the registering process owns this memory",
+            regions=[{"kind": "shm", "size": 4096, "name": other.name}], offsets=[[[0, 0]] * 2] * 32, num_blocks=1,
+            block_size=1)
+        forged = {**good["regions"][0], "handle": {"proof": "00" * 32}}
+        bad("no proof that the registering process owns this memory", regions=[forged])
         bad("unsupported memory region kinds",
             regions=[{"kind": "dram", "size": good["regions"][0]["size"], "name": other.name}])
         assert 5 not in client.server_info()["instances"]

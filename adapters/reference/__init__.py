@@ -108,7 +108,7 @@ class ReferenceCache:
         self.shape = ModelShape(spec.num_layers, spec.kv_size, spec.num_heads, spec.head_size, spec.dtype)
         groups = layer_groups_for(spec.num_layers, spec.kv_groups)
         self._engine = ReferenceEngine(self.shape, num_blocks=spec.num_blocks, block_size=spec.block_size)
-        self.kv_caches = ReferenceKVCache(self._engine.segment.name, self._engine.segment.size, self.shape,
+        self.kv_caches = ReferenceKVCache(self._engine.segment.name, self._engine.regions[0].numel(), self.shape,
                                           spec.num_blocks, spec.block_size, groups,
                                           tuple(self._engine.regions))
         # The engine's own view of its cache, hybrid or not (what its kernels would address).

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from kvstrata.core.adapter_api.types import DriverPoll, HarnessSpec, NotSupported
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.transfer.layouts import DTYPE_SIZES
 
 from .settings import ENV_VAR
@@ -75,7 +75,7 @@ class TrtllmConformanceCache:
         es = DTYPE_SIZES[spec.dtype]
         elems = spec.num_heads * spec.block_size * spec.head_size
         size = spec.num_blocks * spec.num_layers * spec.kv_size * elems * es
-        self._segment = Segment.create("trtllm-conformance", size)
+        self._segment = create_cache_segment("trtllm-conformance", size)
         raw = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size)
         self.pool = raw.view(_TORCH[spec.dtype]).view(spec.num_blocks, spec.num_layers, spec.kv_size, elems)
         self.pool.kvstrata_segment_name = self._segment.name  # lets the server placement map it (driver only)

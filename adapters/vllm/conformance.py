@@ -26,7 +26,7 @@ import torch
 
 from kvstrata.core.adapter_api.types import DriverPoll, HarnessSpec, NotSupported
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.transfer.layouts import DTYPE_SIZES
 
 from .hooks import SharedVllmKVCaches
@@ -96,7 +96,7 @@ class VllmConformanceCache:
         es = DTYPE_SIZES[spec.dtype]
         page = spec.num_heads * spec.block_size * 2 * spec.head_size * es
         size = spec.num_layers * spec.num_blocks * page
-        self._segment = Segment.create("vllm-conformance", size)
+        self._segment = create_cache_segment("vllm-conformance", size)
         buf = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size).view(dtype)
         views = buf.view(spec.num_layers, spec.num_blocks, spec.num_heads, spec.block_size, 2 * spec.head_size)
         self.kv_caches = SharedVllmKVCaches({f"model.layers.{l}.self_attn.attn": views[l]

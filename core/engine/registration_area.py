@@ -10,7 +10,7 @@ chunks of blocks, in a shared-memory segment private to the user.
 
 from __future__ import annotations
 
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, blocks_layout, blocks_layout_bytes
 
 
@@ -25,7 +25,7 @@ class RegistrationArea:
                         block_size=engine_layout.block_size, num_heads=engine_layout.num_heads,
                         head_size=engine_layout.head_bytes // eb, dtype=engine_layout.dtype)
         size = blocks_layout_bytes(**geometry)
-        self.segment = Segment.create("registration", size)
+        self.segment = create_cache_segment("registration", size)
         self.layout = blocks_layout(**geometry, region=Region("shm", size, self.segment.name),
                                     fmt=f"{engine_layout.format}+worker")
 

@@ -19,7 +19,7 @@ import torch
 from kvstrata.core.store.l1_store import StoredObject, object_view
 from kvstrata.core.transfer.layouts import PagedKVLayout, LayoutError
 from kvstrata.core.transfer.planner import Executor
-from kvstrata.core.shm import Segment, read_control_header
+from kvstrata.core.shm import Segment, proof_matches, read_control_header
 
 
 @dataclass(frozen=True)
@@ -121,16 +121,24 @@ class ShmTarget:
                 if r.kind != "shm":
                     raise LayoutError(f"region kind {r.kind!r} cannot be mixed into a shared-memory target")
                 try:
-                    seg = Segment.attach(r.name, r.size)
+                    seg = Segment.attach(r.name)  # whole: the proof of ownership follows the cache
                 except (OSError, ValueError) as exc:
                     raise LayoutError(f"region {index} ({r.name!r}, {r.size} bytes) cannot be opened: {exc}") \
                         from None
                 self._segments.append(seg)
+                if seg.size < r.size:
+                    raise LayoutError(f"region {index} ({r.name}) holds {seg.size} bytes, fewer than the {r.size} "
+                                      "its descriptor names")
                 if pool_segment is not None and seg.file_id == pool_segment.file_id:
                     raise LayoutError(f"region {index} ({r.name}) is the server's own L1 pool, not an engine cache")
                 header = read_control_header(seg)
                 if header is not None:
                     raise LayoutError(f"region {index} ({r.name}) is {header[0].a_label}, not an engine cache")
+                if not proof_matches(seg, r.size, r.handle.get("proof")):
+                    raise LayoutError(f"region {index} ({r.name}): no proof that the registering process owns this "
+                                      "memory (an engine cache segment is made with "
+                                      "kvstrata.core.shm.create_cache_segment, whose proof the client sends); "
+                                      "refused")
                 self.regions.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=r.size))
         except BaseException:
             self.close()

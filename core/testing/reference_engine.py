@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from kvstrata.core.transfer.layouts import PagedKVLayout, Region, blocks_layout, blocks_layout_bytes, DTYPE_SIZES
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.transfer.torch_executor import gather_staged, plane_view, scatter_staged
 
 
@@ -57,7 +57,7 @@ class ReferenceEngine:
         size = blocks_layout_bytes(num_layers=shape.num_layers, kv_size=shape.kv_size, num_blocks=num_blocks,
                                    block_size=block_size, num_heads=shape.num_heads, head_size=shape.head_size,
                                    dtype=shape.dtype)
-        self.segment = Segment.create("engine", size)
+        self.segment = create_cache_segment("engine", size)
         self.layout: PagedKVLayout = blocks_layout(
             num_layers=shape.num_layers, kv_size=shape.kv_size, num_blocks=num_blocks, block_size=block_size,
             num_heads=shape.num_heads, head_size=shape.head_size, dtype=shape.dtype,

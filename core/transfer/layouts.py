@@ -55,7 +55,36 @@ class Region:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Region":
-        return cls(str(d["kind"]), int(d["size"]), str(d.get("name", "")), dict(d.get("handle") or {}))
+        if not isinstance(d, dict):
+            raise LayoutError(f"malformed KV cache descriptor: a region must be a map, got {type(d).__name__}")
+        handle = d.get("handle") or {}
+        if not isinstance(handle, dict):
+            raise LayoutError(f"malformed KV cache descriptor: region field handle must be a map, got "
+                              f"{type(handle).__name__}")
+        return cls(_typed(d, "kind", str, "region"), _typed(d, "size", int, "region"),
+                   _typed(d, "name", str, "region", default=""), dict(handle))
+
+
+def _typed(d: dict[str, Any], name: str, kind: type, what: str = "descriptor", default: Any = None) -> Any:
+    """Field ``name`` of a wire map, exactly of ``kind`` (an int is never a bool, a float or a string): a
+    descriptor is checked, not coerced, so a malformed one is refused naming the field."""
+    if name not in d:
+        if default is not None:
+            return default
+        raise LayoutError(f"malformed KV cache descriptor: {what} field {name} is missing")
+    value = d[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise LayoutError(f"malformed KV cache descriptor: {what} field {name} must be {kind.__name__}, got "
+                          f"{type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _ints(values: Any, name: str, length: int | None = None) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)) or any(not isinstance(v, int) or isinstance(v, bool) for v in values) \
+            or (length is not None and len(values) != length):
+        raise LayoutError(f"malformed KV cache descriptor: field {name} must be a list of "
+                          f"{length or 'any number of'} ints, got {values!r:.60}")
+    return tuple(values)
 
 
 @dataclass(frozen=True)
@@ -187,15 +216,21 @@ class PagedKVLayout:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "PagedKVLayout":
         try:
+            ints = {name: _typed(d, name, int) for name in ("num_layers", "kv_size", "num_blocks", "block_size",
+                                                             "num_heads", "head_bytes", "block_stride",
+                                                             "token_stride", "head_stride")}
+            offsets = d.get("offsets")
+            if not isinstance(offsets, (list, tuple)) or not all(isinstance(per_kv, (list, tuple)) for per_kv in offsets):
+                raise LayoutError("malformed KV cache descriptor: field offsets must be a list of per-layer lists, "
+                                  f"got {offsets!r:.60}")
+            regions = d.get("regions")
+            if not isinstance(regions, (list, tuple)):
+                raise LayoutError(f"malformed KV cache descriptor: field regions must be a list, got {regions!r:.60}")
             return cls(
-                format=str(d["format"]), num_layers=int(d["num_layers"]), kv_size=int(d["kv_size"]),
-                num_blocks=int(d["num_blocks"]), block_size=int(d["block_size"]),
-                num_heads=int(d["num_heads"]), head_bytes=int(d["head_bytes"]), dtype=str(d["dtype"]),
-                offsets=tuple(tuple((int(r), int(o)) for r, o in per_kv) for per_kv in d["offsets"]),
-                block_stride=int(d["block_stride"]), token_stride=int(d["token_stride"]),
-                head_stride=int(d["head_stride"]),
-                regions=tuple(Region.from_wire(r) for r in d["regions"]),
-                layer_groups=tuple(tuple(int(l) for l in g) for g in d.get("layer_groups") or ()),
+                format=_typed(d, "format", str), dtype=_typed(d, "dtype", str), **ints,
+                offsets=tuple(tuple(_ints(pair, "offsets", 2) for pair in per_kv) for per_kv in offsets),
+                regions=tuple(Region.from_wire(r) for r in regions),
+                layer_groups=tuple(_ints(g, "layer_groups") for g in d.get("layer_groups") or ()),
             )
         except LayoutError:
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Sequence
 
+from kvstrata.core.shm import proof_of
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType, chunk_major_retrieve_tail
@@ -58,7 +59,12 @@ class CacheClient:
         return self.transport.call(RequestType.SERVER_INFO, [])
 
     def register_kv_cache(self, instance_id: int, layout: PagedKVLayout, placement: str) -> dict[str, Any]:
-        return self.transport.call(RequestType.REGISTER_KV_CACHE, [instance_id, layout.to_wire(placement)])
+        descriptor = layout.to_wire(placement)
+        for region in descriptor["regions"]:
+            proof = proof_of(region.get("name", "")) if region.get("kind") == "shm" else None
+            if proof is not None:  # this process made the segment: prove it to the server
+                region["handle"] = {**(region.get("handle") or {}), "proof": proof}
+        return self.transport.call(RequestType.REGISTER_KV_CACHE, [instance_id, descriptor])
 
     def unregister_kv_cache(self, instance_id: int) -> bool:
         return self.transport.call(RequestType.UNREGISTER_KV_CACHE, [instance_id])
