@@ -926,6 +926,13 @@ class Server:
                                                         f"{request.request_type.name}: {exc}"))
 
 
+_REFUSED_CHECK_MS = 100
+"""A TCP send that cannot be queued looks this often whether the server refused the handshake for good."""
+
+_REFUSED_FOR_GOOD = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+"""Handshake ends after which libzmq drops the connection and its queue without reconnecting."""
+
+
 class Client:
     """Sends requests from the caller's thread; replies resolve futures on one I/O thread."""
 
@@ -950,10 +957,13 @@ class Client:
         dealer.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
         if self._curve is not None:
             self._curve.apply(dealer)
-        # TCP: a monitor tells how handshakes ended, read only when a request times out, to say why (CURVE)
+        # TCP: a monitor tells how handshakes ended, read only when a request times out, to say why (CURVE),
+        # or when a send finds no connection (see _send_frame)
         self._monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if address.startswith("tcp://") else None
         self._monitor_lock = threading.Lock()
         self._handshake: tuple[int | None, int] = (None, 0)
+        if self._monitor is not None:
+            dealer.setsockopt(zmq.SNDTIMEO, _REFUSED_CHECK_MS)
         dealer.connect(address)
         self._sock = SharedSocket(dealer)
         self._ids = itertools.count(1)
@@ -1013,7 +1023,7 @@ class Client:
                         self._mail_wanted.add(rid)
             if self._requests is not None:
                 self._requests.post(frame)  # first: the server's spin may take it from there
-            self._sock.send([frame])
+            self._send_frame(frame)
         self._resolve_inbox()  # outside the lock: resolving runs callbacks, which may send
 
     def send_oneway(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...]) -> None:
@@ -1126,17 +1136,41 @@ class Client:
 
     def _handshake_hint(self) -> str:
         """Over TCP: why no reply came, if a CURVE handshake failed (or this client has no CURVE keys)."""
-        if self._monitor is None:
+        if self._monitor is None or not self._read_monitor():
             return ""
+        return handshake_hint(*self._handshake, self._curve, self.address)
+
+    def _read_monitor(self) -> bool:
+        """Note how the last handshake ended (TCP only); False once closed."""
         from zmq.utils.monitor import recv_monitor_message
 
+        assert self._monitor is not None
         with self._monitor_lock:
             if self._closed:
-                return ""
+                return False
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)
                 self._handshake = (int(event["event"]), int(event["value"]))
-            return handshake_hint(*self._handshake, self._curve, self.address)
+            return True
+
+    def _send_frame(self, frame: bytes) -> None:
+        """Send ``frame``; over TCP, drop it instead once the server has refused the handshake for good.
+
+        A server that refuses this client's CURVE key, or a client without CURVE, ends the connection with a
+        protocol error, after which libzmq neither reconnects nor keeps a queue: a send would block for
+        ever. So TCP sends wait :data:`_REFUSED_CHECK_MS` at a time, and between tries look at how the
+        handshake ended; a refused request is dropped and times out, its message saying why (CURVE).
+        """
+        if self._monitor is None:
+            self._sock.send([frame])
+            return
+        while True:
+            try:
+                self._sock.send([frame])
+                return
+            except zmq.Again:  # no connection to queue on, or its queue full: wait on, unless refused
+                if not self._read_monitor() or self._handshake[0] in _REFUSED_FOR_GOOD:
+                    return
 
     def _forget(self, fut: Future) -> None:
         with self._pending_lock:
