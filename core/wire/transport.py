@@ -149,6 +149,9 @@ ERROR_CODES = {
     "bad_request": "the request does not match the protocol's declaration",
     "unknown_instance": "the instance is not registered on this server (it restarted, or never had it): "
                         "register the cache again",
+    "instance_taken": "another live connection registered that instance id: register under another one",
+    "not_owner": "the request names state another connection holds (lookup locks, an instance, a reservation)",
+    "limit": "a per-connection bound of the server would be exceeded (the message names the setting)",
 }
 """The kinds of error replies. An error reply's value is ``{"code": <one of these>, "message": <text>}``; a
 handler's exception chooses its code with an ``error_code`` attribute."""
