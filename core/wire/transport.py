@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import itertools
 import logging
 import os
 import secrets
@@ -277,10 +276,13 @@ class SharedSocket:
         self._poll.register(self._fd, select.POLLIN)
         self.busy_wait: BusyWait | None = None
 
-    def send(self, frames: list[Any]) -> None:
+    def send(self, frames: list[Any], flags: int = 0) -> None:
+        """``flags``: zmq.NOBLOCK raises zmq.Again instead of waiting when the socket cannot take the frame."""
         with self._lock:
-            self.sock.send_multipart(frames)  # always a copy: see copy_threshold above
-            self._drain()
+            try:
+                self.sock.send_multipart(frames, flags)  # always a copy: see copy_threshold above
+            finally:
+                self._drain()
 
     def wait(self, timeout_ms: int, spin_us: int = 0, events: list[int] | None = None,
              words: list[tuple[int, int]] | None = None) -> None:
@@ -969,7 +971,7 @@ class Client:
             dealer.setsockopt(zmq.SNDTIMEO, _REFUSED_CHECK_MS)
         dealer.connect(address)
         self._sock = SharedSocket(dealer)
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._pending: dict[int, tuple[RequestType, Future]] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -1016,7 +1018,8 @@ class Client:
                       mailbox: bool = False) -> None:
         with self._send_lock:
             self._check_open()
-            rid = next(self._ids)
+            rid = self._next_id
+            self._next_id += 1
             self._last_sent = time.monotonic()
             frame = codec._pack([codec.WIRE_VERSION, rid, int(request_type), payload])
             if fut is not None:
@@ -1228,11 +1231,25 @@ class Client:
             self._resolve_inbox()
             if time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 try:
-                    self.send_oneway(RequestType.PING, [])  # renews this connection's lease on the server
+                    self._heartbeat()
                 except (RuntimeError, zmq.ZMQError):
                     if self._stop.is_set() or self._closed:
                         return
                     raise
+
+    def _heartbeat(self) -> None:
+        """A PING that renews this connection's lease, sent only if the socket takes it at once: with the server
+        gone, frames queue up to ZMQ's high-water mark, and a heartbeat must never be what blocks the engine's
+        sends then. A heartbeat not taken uses no request id (the server serves a client's ids in order)."""
+        with self._send_lock:
+            self._check_open()
+            self._last_sent = time.monotonic()
+            frame = codec._pack([codec.WIRE_VERSION, self._next_id, int(RequestType.PING), []])
+            try:
+                self._sock.send([frame], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._next_id += 1
 
     def _resolve_inbox(self) -> None:
         while True:

@@ -19,7 +19,7 @@ from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
 from kvstrata.core.testing.runtime_driver import RuntimeDriver
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.testing.reference_engine import ModelShape, synthetic_kv
 from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
@@ -77,7 +77,7 @@ class BlockMajorEngine:
         shape = ModelShape(spec.num_layers, spec.kv_size, spec.num_heads, spec.head_size, spec.dtype)
         self.shape = shape
         size = pool_bytes(shape, spec.num_blocks, spec.block_size)
-        self._segment = Segment.create("blockmajor", size)
+        self._segment = create_cache_segment("blockmajor", size)  # the server checks its proof of ownership
         self._regions = [torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size)]
         self.kv_caches = BlockMajorPool(self._segment.name, size, spec.num_blocks, spec.block_size, shape)
         self._layout = pool_layout(self.kv_caches)
