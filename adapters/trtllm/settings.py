@@ -9,6 +9,13 @@ from the environment of the TensorRT-LLM processes (every rank inherits it):
 The object holds :class:`~kvstrata.core.engine.settings.RuntimeSettings` keys and this adapter's own
 key ``async_load`` (default false). An unknown key, a bad value, an unreadable file or a variable that is
 neither JSON nor a path is an error naming the variable (and file) and what was wrong.
+
+``instance_id``: set it when two TensorRT-LLM engines share a server (each rank registers ``instance_id +
+rank``, and both sides' lock owners embed it). TensorRT-LLM hands a connector only its ``llm_args``, the
+engine's configuration (two engines started alike have equal ones), so unlike vLLM's adapter this one has
+nothing to derive a per-engine default from: it stays 0, and the second engine's registration is refused; its
+workers log the server's reason ("instance N is registered by another connection ...") and compute every
+prompt until the id is free.
 """
 
 from __future__ import annotations

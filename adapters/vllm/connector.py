@@ -118,11 +118,21 @@ def _tensor_parallel(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[
     return int(get_tensor_model_parallel_rank()), world
 
 
+def engine_key(vllm_config: "VllmConfig") -> str | None:
+    """What makes this engine's default instance id (:func:`~kvstrata.core.engine.settings.engine_instance_id`):
+    ``kv_transfer_config.engine_id``, a UUID vLLM draws once per engine (``KVTransferConfig.__post_init__``), which
+    its scheduler and every worker see (they get the engine's config; vLLM broadcasts tensor-parallel rank 0's
+    to the other ranks, and suffixes it per data-parallel rank). Not ``vllm_config.instance_id``: vLLM redraws
+    that (a timestamp) whenever the config is rebuilt."""
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+    return str(engine_id) if engine_id else None
+
+
 class KvstrataConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = RuntimeSettings.from_mapping(vllm_config.kv_transfer_config.kv_connector_extra_config,
-                                                     where=SETTINGS_WHERE)
+                                                     where=SETTINGS_WHERE, engine_key=engine_key(vllm_config))
         adapter = load_adapter("vllm")
         model = self.settings.model_name or str(vllm_config.model_config.model)
         block_size = vllm_config.cache_config.block_size
@@ -136,8 +146,9 @@ class KvstrataConnector(KVConnectorBase_V1):
             self.worker_runtime = WorkerRuntime(adapter, self.settings, model=model, rank=rank, world_size=world)
         self._kv_cache_manager: Any = None
         self._layer_of: dict[str, int] = {}
-        log.info("kvstrata connector (%s%s) for %s: server %s, layers_per_stage=%d%s", role.name,
+        log.info("kvstrata connector (%s%s) for %s: server %s, instance %d%s, layers_per_stage=%d%s", role.name,
                  f", rank {rank} of {world}" if world > 1 else "", model, self.settings.server_address,
+                 self.settings.instance_id, "" if world == 1 else " + rank",
                  self.settings.layers_per_stage,
                  "" if self.settings.layers_per_stage else " (chunk-major, no early release)")
 

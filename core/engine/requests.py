@@ -12,11 +12,15 @@ loads only its own heads. A request's lookup locks on the server are held by a
 locks after its copy never unpins a chunk another rank is still copying, and
 two engines sharing a server (whose instance ids differ) never free each
 other's locks when their request ids collide (TensorRT-LLM numbers requests
-from 1 in every engine; vLLM takes ids from its clients).
+from 1 in every engine; vLLM takes ids from its clients). A request the engine
+admits again (vLLM re-admits one whose load failed, or that it preempted) is
+looked up afresh under a new *attempt* of its owner, so a late release of the
+earlier attempt's locks never frees the new one's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -48,8 +52,13 @@ class ChunkLocations:
     pool_size: int
     shape: tuple[int, int, int, int]
     """(kv, layers, heads, head_bytes) of every object."""
-    objects: tuple[tuple[int, int, int], ...]
-    """(offset, nbytes, tokens) of each locked chunk, in prompt order."""
+    objects: tuple[tuple[int, int, int, int, int], ...]
+    """(offset, nbytes, tokens, slot, generation) of each locked chunk, in prompt order: the last two name its
+    word in the pool's generation table, which must still hold ``generation`` once the copy has ended (see
+    :mod:`kvstrata.core.store.l1_store`)."""
+    generations_name: str = ""
+    """The pool's generation table (a shared-memory segment of ``generations_slots`` 64-bit words)."""
+    generations_slots: int = 0
 
     @classmethod
     def from_lookup_reply(cls, reply: dict[str, Any]) -> "ChunkLocations | None":
@@ -57,22 +66,25 @@ class ChunkLocations:
         located = reply.get("located")
         if not located:
             return None
-        return cls(str(located["pool"]["name"]), int(located["pool"]["size"]),
+        pool = located["pool"]
+        generations = pool["generations"]
+        return cls(str(pool["name"]), int(pool["size"]),
                    tuple(int(x) for x in located["shape"]),  # type: ignore[arg-type]
-                   tuple((int(o), int(n), int(t)) for o, n, t in located["objects"]))
+                   tuple((int(o), int(n), int(t), int(s), int(g)) for o, n, t, s, g in located["objects"]),
+                   str(generations["name"]), int(generations["slots"]))
 
     @property
     def num_tokens(self) -> int:
-        return sum(tokens for _, _, tokens in self.objects)
+        return sum(o[2] for o in self.objects)
 
     def covering(self, num_tokens: int) -> "ChunkLocations | None":
         """The leading objects that hold exactly the first ``num_tokens`` tokens; ``None`` if no prefix does
         (the load then asks RETRIEVE, which locates the chunks its key names)."""
         total = 0
-        for i, (_, _, tokens) in enumerate(self.objects):
+        for i, row in enumerate(self.objects):
             if total == num_tokens:
                 return replace(self, objects=self.objects[:i])
-            total += tokens
+            total += row[2]
         return self if total == num_tokens else None
 
     def only_on_rank(self, rank: int, world_size: int) -> tuple["ChunkLocations | None", ...]:
@@ -90,7 +102,8 @@ class ChunkLocations:
 
     def as_retrieve_reply(self) -> dict[str, Any]:
         """The part of a worker-placement RETRIEVE reply these stand for: the pool and the objects."""
-        return {"pool": {"name": self.pool_name, "size": self.pool_size},
+        return {"pool": {"name": self.pool_name, "size": self.pool_size,
+                         "generations": {"name": self.generations_name, "slots": self.generations_slots}},
                 "objects": [list(o) for o in self.objects]}
 
 
@@ -113,6 +126,9 @@ class LoadSpec:
     located: tuple[ChunkLocations | None, ...] | None = None
     """Per rank, where the LOOKUP found this load's chunks (worker placement copies from there without a
     RETRIEVE); ``None`` for a rank, or for all, whose load must ask RETRIEVE."""
+    attempt: int = 0
+    """Which lookup of the request this load belongs to (its locks' owner is :func:`lock_owner` of it): 0
+    unless the engine admitted the request again after an earlier lookup of it."""
 
     @property
     def num_tokens(self) -> int:
@@ -135,31 +151,48 @@ class StoreSpec:
     page_size: int = 0
 
 
-def lock_owner(request_id: str, instance_id: int) -> str:
+_ATTEMPT_SUFFIX = re.compile(r"@a[0-9]+\Z")
+_INSTANCE_SUFFIX = re.compile(r"@i[0-9]+\Z")
+
+
+def lock_owner(request_id: str, instance_id: int, attempt: int = 0) -> str:
     """The id a rank's key carries on the server (its lookup locks' owner): the request id, then ``@i`` and the
     rank's registered instance id (``RuntimeSettings.instance_id`` + rank). Request ids may contain anything;
-    the instance id is digits after the last ``@i``, so no two (request, instance) pairs share an owner."""
-    return f"{request_id}@i{int(instance_id)}"
+    the instance id is digits after the last ``@i``, so no two (request, instance) pairs share an owner.
+
+    ``attempt`` > 0 (the engine looked the request up again, see :attr:`LoadSpec.attempt`) goes between them
+    as ``@a<attempt>``, so each attempt's locks have an owner of their own. A request id that itself ends like
+    an attempt (``x@a5``) gets ``@a0`` too, so :func:`request_of_lock_owner` always gives the request id back."""
+    attempt = int(attempt)
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {attempt}")
+    head = f"{request_id}@a{attempt}" if attempt or _ATTEMPT_SUFFIX.search(request_id) else request_id
+    return f"{head}@i{int(instance_id)}"
 
 
 def request_of_lock_owner(owner: str) -> str:
     """The request id a :func:`lock_owner` string was made from (``owner`` itself if it is not one)."""
-    head, sep, tail = owner.rpartition("@i")
-    return head if sep and tail.isdigit() else owner
+    if not _INSTANCE_SUFFIX.search(owner):
+        return owner
+    head = owner[:owner.rindex("@i")]
+    attempt = _ATTEMPT_SUFFIX.search(head)
+    return head[:attempt.start()] if attempt else head
 
 
 def shard_key(request_id: str, model: str, tokens: bytes, salt: str | None, *, rank: int, world_size: int,
-              instance_id: int, page_hashes: tuple[str, ...] | None = None, page_size: int = 0) -> CacheKey:
+              instance_id: int, page_hashes: tuple[str, ...] | None = None, page_size: int = 0,
+              attempt: int = 0) -> CacheKey:
     """The key of one rank's shard of a prompt (by its token ids, or by the engine's page hashes if given).
-    ``instance_id``: the engine's (``RuntimeSettings.instance_id``); rank ``rank`` registers it plus ``rank``."""
-    return CacheKey(lock_owner(request_id, instance_id + rank), model, world_size, rank, tokens, salt,
+    ``instance_id``: the engine's (``RuntimeSettings.instance_id``); rank ``rank`` registers it plus ``rank``.
+    ``attempt``: which lookup of the request the key's locks belong to (:func:`lock_owner`)."""
+    return CacheKey(lock_owner(request_id, instance_id + rank, attempt), model, world_size, rank, tokens, salt,
                     page_hashes, page_size)
 
 
 def shard_keys(request: PromptRequest, num_tokens: int, model: str, world_size: int,
-               instance_id: int) -> list[CacheKey]:
+               instance_id: int, attempt: int = 0) -> list[CacheKey]:
     """Every rank's key for the first ``num_tokens`` tokens of ``request`` (rank order)."""
     tokens = pack_tokens(list(request.token_ids[:num_tokens]))
     return [shard_key(request.request_id, model, tokens, request.salt, rank=r, world_size=world_size,
-                      instance_id=instance_id)
+                      instance_id=instance_id, attempt=attempt)
             for r in range(world_size)]

@@ -12,9 +12,17 @@ key; a hit is what every rank's shard has (the smallest of the ranks' hits).
 
 Lookup locks are released on every path: a hit the engine will not use, a
 request that finishes before its load was planned, a lookup that timed out
-(END_SESSION). Once a load is planned, the worker side owns its locks (the
+(FREE_LOOKUP_LOCKS). Once a load is planned, the worker side owns its locks (the
 RETRIEVE, or FREE_LOOKUP_LOCKS after a worker-placement copy), so a chunk is
 never unpinned under a copy in flight.
+
+A request the engine admits again (vLLM re-admits one whose load failed, or
+that it preempted, and asks :meth:`SchedulerRuntime.lookup` again) starts
+afresh: a new LOOKUP under a new *attempt* of its lock owner
+(:func:`~kvstrata.core.engine.requests.lock_owner`), whose hit gets a load of
+its own. The earlier attempt's locks are freed if no load was planned for them
+(else the worker side frees them), and a late release of them can never free
+the new attempt's.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class _Hit:
     """Tokens the engine had computed itself (its own prefix cache) when the hit was reported."""
     located: tuple[ChunkLocations | None, ...]
     """Per rank, where its LOOKUP found the hit in the pool (see :class:`ChunkLocations`)."""
+    attempt: int = 0
+    """The lookup attempt whose locks hold the hit (:func:`lock_owner`)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,16 @@ class SchedulerRuntime:
         self._lookups: dict[str, _Pending] = {}
         self._hits: dict[str, _Hit] = {}
         self._pending_loads: list[LoadSpec] = []
-        self._loads_planned: set[str] = set()
+        self._attempts: dict[str, int] = {}
+        """Request id -> its current lookup attempt (its lock owners, :func:`lock_owner`), from its first lookup
+        until it finished."""
+        self._looked_up: set[str] = set()
+        """Requests whose current attempt sent a LOOKUP whose locks are not freed yet (by this side or, once its
+        load is planned, the worker side)."""
+        self._loads_planned: dict[str, int] = {}
+        """Request id -> the attempt of its last load planned (the worker side owns that attempt's locks)."""
+        self._loads_sent: set[str] = set()
+        """Requests with a load handed to the worker side (in a step's plan), of any attempt."""
         self._released: set[str] = set()
         self._stored: set[str] = set()
         self._unreachable_logged = False
@@ -107,6 +126,8 @@ class SchedulerRuntime:
         rid = self.adapter.request_id(engine_request_id)
         request = PromptRequest(rid, token_ids, salt)
         self._requests[rid] = (engine_request_id, request)
+        if rid not in self._lookups:
+            self._new_attempt(rid)
         bs = self.block_size
         loadable = self.adapter.loadable_tokens(len(token_ids), bs)
         if loadable <= num_computed_tokens:
@@ -115,9 +136,11 @@ class SchedulerRuntime:
         if pending is None:
             if time.monotonic() < self._down_until:
                 return 0  # the server just failed to answer: compute, and try again after the back-off
-            keys = shard_keys(request, loadable, self.model, self.world_size, self.settings.instance_id)
+            keys = shard_keys(request, loadable, self.model, self.world_size, self.settings.instance_id,
+                              self._attempts[rid])
             futures = [self.client.transport.submit(RequestType.LOOKUP, [k.to_wire()]) for k in keys]
             self._lookups[rid] = _Pending(futures, time.monotonic())
+            self._looked_up.add(rid)
             return None
         if not all(f.done() for f in pending.futures):
             if time.monotonic() - pending.started < self.settings.lookup_timeout:
@@ -146,7 +169,7 @@ class SchedulerRuntime:
             self._free_locks(rid)
             return 0
         located = tuple(ChunkLocations.from_lookup_reply(r) for r in replies)
-        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens, located)
+        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens, located, self._attempts[rid])
         log.debug("request %s: %d tokens from kvstrata after %d local", rid, external, num_computed_tokens)
         return external
 
@@ -154,14 +177,14 @@ class SchedulerRuntime:
         """The engine allocated blocks for an admitted request: plan its load if kvstrata reported a hit."""
         rid = self.adapter.request_id(engine_request_id)
         hit = self._hits.get(rid)
-        if num_external_tokens <= 0 or hit is None or rid in self._loads_planned:
+        if num_external_tokens <= 0 or hit is None or self._loads_planned.get(rid) == hit.attempt:
             return
         located = tuple(loc.covering(hit.tokens) if loc is not None else None for loc in hit.located)
         self._pending_loads.append(LoadSpec(
             rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
             tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_stage,
-            located=located if any(loc is not None for loc in located) else None))
-        self._loads_planned.add(rid)
+            located=located if any(loc is not None for loc in located) else None, attempt=hit.attempt))
+        self._loads_planned[rid] = hit.attempt
 
     # --- every step --------------------------------------------------------------------
 
@@ -171,8 +194,9 @@ class SchedulerRuntime:
         KV group, in order (read only for prompts whose last whole block is computed by the end of this step,
         to store them)."""
         loads, self._pending_loads = self._pending_loads, []
+        self._loads_sent.update(spec.request_id for spec in loads)
         stores = self._stores_for(scheduled, block_ids_of) if self.settings.store else []
-        settle = [r for r in preempted if self.adapter.request_id(r) in self._loads_planned]
+        settle = [r for r in preempted if self.adapter.request_id(r) in self._loads_sent]
         return StepPlan(loads, stores, settle)
 
     def _stores_for(self, scheduled: Iterable[ScheduledRequest],
@@ -211,28 +235,64 @@ class SchedulerRuntime:
         side's to release, or a chunk could be evicted under a copy in flight.
         """
         rid = self.adapter.request_id(engine_request_id)
-        keep = rid in self._loads_planned and rid in self._released
-        if rid not in self._loads_planned:
-            self._end_session(rid)
-        for d in (self._hits, self._requests, self._lookups):
+        self._drop_unsent_load(rid)
+        keep = rid in self._loads_sent and rid in self._released
+        if rid in self._looked_up and self._loads_planned.get(rid) != self._attempts.get(rid):
+            self._end_session(rid)  # its current attempt's LOOKUP never got a load
+        for d in (self._hits, self._requests, self._lookups, self._attempts, self._loads_planned):
             d.pop(rid, None)
-        self._loads_planned.discard(rid)
-        self._released.discard(rid)
-        self._stored.discard(rid)
+        for tracked in (self._looked_up, self._loads_sent, self._released, self._stored):
+            tracked.discard(rid)
         return keep
+
+    def _new_attempt(self, rid: str) -> None:
+        """``lookup`` found no LOOKUP of ``rid`` in flight: the engine admits the request, maybe again.
+
+        If its current attempt sent a LOOKUP, that attempt is over: its locks are freed here unless a load was
+        planned for them (the worker side frees those once it stopped copying), and the next LOOKUP goes out
+        under the next attempt, so no late release of this one can touch its locks. What a load handed to the
+        worker side means for the request's end (:meth:`finished`: keep the blocks once it was released) stays:
+        the worker side reports the request freeable then, whichever attempt that load was.
+        """
+        attempt = self._attempts.setdefault(rid, 0)
+        self._drop_unsent_load(rid)
+        self._hits.pop(rid, None)
+        if rid not in self._looked_up:
+            return  # nothing of this attempt is on the server: the next LOOKUP may use it
+        if self._loads_planned.get(rid) != attempt:
+            self._free_locks(rid, attempt)
+        self._looked_up.discard(rid)
+        self._attempts[rid] = attempt + 1
+        log.debug("request %s admitted again: lookup attempt %d", rid, attempt + 1)
+
+    def _drop_unsent_load(self, rid: str) -> None:
+        """A load planned for ``rid`` that no step's plan handed to the worker side yet never will be: the engine
+        admitted or finished the request again before building its next step."""
+        unsent = [spec for spec in self._pending_loads if spec.request_id == rid]
+        if not unsent:
+            return
+        self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != rid]
+        for spec in unsent:
+            if self._loads_planned.get(rid) == spec.attempt:
+                del self._loads_planned[rid]  # its locks are this side's to free again
 
     # --- locks -------------------------------------------------------------------------
 
-    def _owners(self, rid: str) -> list[str]:
-        return [lock_owner(rid, self.settings.instance_id + r) for r in range(self.world_size)]
+    def _owners(self, rid: str, attempt: int | None = None) -> list[str]:
+        """Every rank's lock owner for ``rid``'s lookup ``attempt`` (default: its current one)."""
+        if attempt is None:
+            attempt = self._attempts.get(rid, 0)
+        return [lock_owner(rid, self.settings.instance_id + r, attempt) for r in range(self.world_size)]
 
-    def _free_locks(self, rid: str) -> None:
-        for owner in self._owners(rid):
+    def _free_locks(self, rid: str, attempt: int | None = None) -> None:
+        if attempt is None or attempt == self._attempts.get(rid):
+            self._looked_up.discard(rid)
+        for owner in self._owners(rid, attempt):
             self._send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
 
     def _end_session(self, rid: str) -> None:
-        for owner in self._owners(rid):
-            self._send_oneway(RequestType.END_SESSION, [owner])
+        """The request is done with kvstrata before any load was planned: free whatever its LOOKUPs locked."""
+        self._free_locks(rid)
 
     def _send_oneway(self, rt: RequestType, payload: list[Any]) -> None:
         """Fire and forget: a lost lock release costs an eviction delay, never correctness."""

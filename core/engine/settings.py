@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -53,6 +54,24 @@ def resolve_layers_per_stage(value: Any, *, setting: str = "layers_per_stage") -
 
 PLACEMENT_AUTO = "auto"
 
+ENGINE_INSTANCE_BASE = 1 << 20
+"""Instance ids derived from an engine's identity (:func:`engine_instance_id`) start here, above the small ids
+deployers and tests choose by hand."""
+ENGINE_INSTANCE_STRIDE = 1 << 8
+"""Derived instance ids are multiples of this apart: room for that many tensor-parallel ranks (``id + rank``)."""
+ENGINE_INSTANCE_SLOTS = ((1 << 31) - ENGINE_INSTANCE_BASE) // ENGINE_INSTANCE_STRIDE
+"""How many derived instance ids there are (all below 2**31): two engines share one with odds 1 in this."""
+
+
+def engine_instance_id(engine_key: str) -> int:
+    """The instance id of an engine that did not configure one, from a string unique to that engine which all
+    of its processes see (vLLM: ``kv_transfer_config.engine_id``): its scheduler and every worker agree on
+    it (their lock owners embed it), while two engines on one server get different ones. Non-negative, at
+    least :data:`ENGINE_INSTANCE_BASE`, with :data:`ENGINE_INSTANCE_STRIDE` ids of room for ``+ rank``."""
+    digest = hashlib.sha256(engine_key.encode("utf-8", "surrogatepass")).digest()
+    slot = int.from_bytes(digest[:8], "big") % ENGINE_INSTANCE_SLOTS
+    return ENGINE_INSTANCE_BASE + slot * ENGINE_INSTANCE_STRIDE
+
 
 @dataclass(frozen=True)
 class RuntimeSettings:
@@ -80,7 +99,9 @@ class RuntimeSettings:
     store: bool = True
     pool_slots: int = 16
     instance_id: int = 0
-    """The cache's id on the server; tensor-parallel rank r registers ``instance_id + r``."""
+    """The cache's id on the server; tensor-parallel rank r registers ``instance_id + r``. Two engines on one
+    server need different ones: an engine adapter that knows a string unique to its engine derives it from that
+    unless it is set (:meth:`from_mapping`'s ``engine_key``, :func:`engine_instance_id`); 0 otherwise."""
     record_path: str | None = None
     """A JSON-lines record of loads, releases, per-layer waits, failures and stores (operators, tests)."""
     transfer_queue_policy: str = "earliest_released"
@@ -98,8 +119,14 @@ class RuntimeSettings:
     ALIASES = {"layerwise_overlap": "layers_per_stage"}
 
     @classmethod
-    def from_mapping(cls, extra: Mapping[str, Any] | None, *, where: str = "extra config") -> "RuntimeSettings":
-        """Settings from an engine's JSON config; an unknown key or a bad value raises ValueError naming it."""
+    def from_mapping(cls, extra: Mapping[str, Any] | None, *, where: str = "extra config",
+                     engine_key: str | None = None) -> "RuntimeSettings":
+        """Settings from an engine's JSON config; an unknown key or a bad value raises ValueError naming it.
+
+        ``engine_key``: a string unique to this engine that all its processes see (vLLM's
+        ``kv_transfer_config.engine_id``); without an ``instance_id`` in the config, the instance id is
+        :func:`engine_instance_id` of it. A configured ``instance_id`` is kept.
+        """
         values = dict(extra or {})
         for alias, name in cls.ALIASES.items():
             if alias in values:
@@ -135,6 +162,9 @@ class RuntimeSettings:
                     if isinstance(values[name], bool) or int(values[name]) != values[name]:
                         raise ValueError(f"must be an integer, got {values[name]!r}")
                     values[name] = int(values[name])
+            if values.get("instance_id", 0) < 0:
+                name = "instance_id"
+                raise ValueError(f"must be >= 0, got {values[name]}")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}.{name}: {exc}") from None
         if "store" in values and not isinstance(values["store"], bool):
@@ -145,6 +175,8 @@ class RuntimeSettings:
         if bool(values.get("curve_server_key")) != bool(values.get("curve_client_key")):
             raise ValueError(f"{where}: CURVE needs both curve_server_key (the server's NAME.key) and "
                              "curve_client_key (this engine's NAME.key_secret)")
+        if "instance_id" not in values and engine_key:
+            values["instance_id"] = engine_instance_id(engine_key)
         return cls(**values)
 
     def client_options(self) -> dict[str, Any]:

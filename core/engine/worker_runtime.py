@@ -88,6 +88,8 @@ class WorkerRuntime:
         self._unloadable: dict[str, tuple[list[list[int]], str]] = {}
         self._failure_reports: list[Any] = []
         self._next_connect = 0.0
+        self._refused: str | None = None
+        """Why the server refused to register the cache (its error message), while it does."""
         self._reservations: dict[str, _AheadReservation] = {}
         """Worker placement: RESERVE_STOREs sent ahead of their stores (:meth:`reserve_stores`), by request id."""
         self._reservations_lock = threading.Lock()  # the engine's thread reserves, a store thread may store
@@ -101,7 +103,7 @@ class WorkerRuntime:
         """Describe the engine's cache (the adapter's hooks), then connect if the server answers."""
         self.placement, self.description = self._describe(kv_caches)
         self.event_backend = self.adapter.event_backend(self.description.device)
-        if not self._connect():
+        if not self._connect() and self._refused is None:  # a refusal was logged with the server's reason
             log.warning("kvstrata server %s is not reachable; the engine computes every prompt until it is "
                         "(retrying every %.0fs)", self.settings.server_address, RECONNECT_INTERVAL)
 
@@ -149,7 +151,8 @@ class WorkerRuntime:
         return self._connect()
 
     def _connect(self) -> bool:
-        """Build the transfer machinery and register with the server; False (retry later) if it is down."""
+        """Build the transfer machinery and register with the server; False (retry later) if it is down or
+        refused the registration (say, its instance id is another live engine's: the server's reason is logged)."""
         if self.transfers is not None:
             return True
         now = time.monotonic()
@@ -157,6 +160,7 @@ class WorkerRuntime:
             return False
         self._next_connect = now + RECONNECT_INTERVAL
         s, d = self.settings, self.description
+        transfers = None
         try:
             registration = None
             if self.placement == PLACEMENT_WORKER:
@@ -172,8 +176,17 @@ class WorkerRuntime:
                 pool_writable=s.store)
             transfers.register()
         except Exception as exc:
-            log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)
+            if transfers is not None:  # its arrival slots or copy threads: the next try builds new ones
+                try:
+                    transfers.close()
+                except Exception as again:  # noqa: BLE001 - what it held is lost either way
+                    log.debug("closing the transfers of a failed registration: %s", again)
+            if isinstance(exc, RemoteError):  # the server answered: it refused, and says why
+                self._registration_refused(exc)
+            else:
+                log.debug("connecting to kvstrata at %s failed: %s", s.server_address, exc)
             return False
+        self._refused = None
         self.transfers = transfers
         layout = d.layout
         log.info("registered %d layers (%s, %d blocks of %d tokens, rank %d of %d) with kvstrata at %s as "
@@ -181,6 +194,20 @@ class WorkerRuntime:
                  self.rank, self.world_size, s.server_address, self.instance_id, self.placement)
         self.record.write("registered", instance_id=self.instance_id, placement=self.placement, rank=self.rank)
         return True
+
+    def _registration_refused(self, exc: RemoteError) -> None:
+        reason = str(exc)
+        if reason != self._refused:  # once per reason, not at every retry
+            log.warning("kvstrata server %s refused to register this cache as instance %d (rank %d of %d): %s "
+                        "[%s]; the engine computes every prompt until it is registered (retrying every %.0fs)",
+                        self.settings.server_address, self.instance_id, self.rank, self.world_size, reason,
+                        exc.code, RECONNECT_INTERVAL)
+            self.record.write("register_refused", instance_id=self.instance_id, rank=self.rank, reason=reason,
+                              code=exc.code)
+        else:
+            log.debug("kvstrata server %s still refuses instance %d: %s", self.settings.server_address,
+                      self.instance_id, reason)
+        self._refused = reason
 
     def _register_again(self, why: str) -> bool:
         log.warning("kvstrata server %s no longer knows instance %d (%s); registering again",
@@ -216,7 +243,9 @@ class WorkerRuntime:
                 self._released.add(spec.request_id)
         if loads and not self._connect():
             for spec in loads:  # the server went away after the lookup: the engine recomputes these
-                self._unloadable[spec.request_id] = ([list(g) for g in spec.block_ids], "server not reachable")
+                self._unloadable[spec.request_id] = (
+                    [list(g) for g in spec.block_ids],
+                    "server not reachable" if self._refused is None else f"registration refused: {self._refused}")
             return
         for spec in loads:
             key = self._shard_key(spec)
@@ -412,7 +441,8 @@ class WorkerRuntime:
         """This rank's key of a load's or a store's prompt (the same key: a load reads what a store wrote)."""
         return shard_key(spec.request_id, self.model, spec.tokens, spec.salt, rank=self.rank,
                          world_size=self.world_size, instance_id=self.settings.instance_id,
-                         page_hashes=spec.page_hashes, page_size=spec.page_size)
+                         page_hashes=spec.page_hashes, page_size=spec.page_size,
+                         attempt=getattr(spec, "attempt", 0))  # a StoreSpec's: attempt 0
 
     def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
         """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""

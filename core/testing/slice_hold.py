@@ -119,7 +119,8 @@ class SliceHold:
         exact = self.directory / f"held-{_file_name(name)}"
         if exact.exists():
             return exact
-        for path in self.directory.glob(f"held-{glob.escape(_file_name(name))}@i*"):
+        # name@i<instance>, or name@a<attempt>@i<instance> (a request the engine looked up again)
+        for path in self.directory.glob(f"held-{glob.escape(_file_name(name))}@*"):
             if request_of_lock_owner(path.name[len("held-"):]) == _file_name(name):
                 return path
         return None
