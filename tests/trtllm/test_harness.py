@@ -248,14 +248,14 @@ def test_server_death_mid_load_fails_the_batch_and_nothing_hangs(deploy, tmp_pat
     """Server placement (the pool in shared memory), the server held after the first slice and then killed:
     the layer wait gives up within its bound, ``wait_for_save`` raises, the batch's requests fail
     (TensorRT-LLM 1.2 has no recompute path) and the record says so; the engine goes on."""
-    from kvstrata.core.shm import Segment
+    from kvstrata.core.shm import create_cache_segment
     from kvstrata.core.testing.server_process import ServerProcess
 
     hold = SliceHold(tmp_path / "hold")
     p = prompts(17, (96,))[0]
     shape = (64, CFG.num_layers, 2, CFG.block_size_elems)
     size = torch.zeros(shape).numel() * 4
-    segs = [Segment.create("trtllm-harness", size) for _ in range(2)]
+    segs = [create_cache_segment("trtllm-harness", size) for _ in range(2)]  # the server checks their proof
     with ServerProcess(l1_bytes=64 << 20, chunk_size=64, slice_hold=hold) as srv:
         try:
             def pools() -> list[torch.Tensor]:
