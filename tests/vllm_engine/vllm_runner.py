@@ -7,11 +7,19 @@ every run gets a fresh interpreter):
 
 CONFIG: {"model": dir, "batches": [[prompt, ...], ...], "max_tokens": 8,
          "connector": null | {kv_connector_extra_config...}, "abort": null | {...},
-         "tensor_parallel_size": 1 (default) | 2}
-Each batch is one ``generate`` call (so the second batch can hit what the first stored).
+         "tensor_parallel_size": 1 (default) | 2,
+         "barrier": null | {"directory": dir, "name": this run's, "parties": how many runs meet there}}
+Each batch is one ``generate`` call (so the second batch can hit what the first stored). With a barrier,
+runs started together wait for each other once their engines are up (registered), after each batch, and
+before they exit, so they run at once and each batch of one runs after the other's batch before it.
 
 With ``KVSTRATA_TEST_SLICE_HOLD`` set, the test-only slice hold is installed at import: in this process and
 in every engine process vLLM starts (a forked one inherits it, a spawned one imports this module again).
+
+With ``KVSTRATA_TEST_FAIL_FIRST_LOAD`` set (to a file path), the first load kvstrata copies in this process
+(worker placement) fails before its first slice, through the planner's test-only slice hook: a real failed
+load, which vLLM recovers from by its ``kv_load_failure_policy``. The names of the loads the hook saw start
+(their lock owners) go to that file, one a line.
 """
 
 from __future__ import annotations
@@ -23,7 +31,52 @@ import time
 
 from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold, install_from_environment
 
+FAIL_FIRST_LOAD = "KVSTRATA_TEST_FAIL_FIRST_LOAD"
+BARRIER_BOUND = 600.0
+"""Seconds a run waits at a barrier for the others: only catches a run that died or hung."""
+
+
+def install_first_load_failure() -> None:
+    """With :data:`FAIL_FIRST_LOAD` set: the first load copied in this process fails (see the module docstring)."""
+    path = os.environ.get(FAIL_FIRST_LOAD)
+    if not path:
+        return
+    import threading
+
+    from kvstrata.core.transfer import planner
+
+    lock = threading.Lock()
+
+    def fail_the_first(name: str, slices: int) -> None:
+        if slices != 0:
+            return
+        with lock:
+            with open(path, "a") as f:
+                first = f.tell() == 0
+                f.write(name + "\n")
+        if first:
+            raise RuntimeError(f"load {name} fails on purpose ({FAIL_FIRST_LOAD})")
+
+    if planner._slice_hook is not None:
+        raise RuntimeError(f"{FAIL_FIRST_LOAD} and another slice hook are both set")
+    planner._slice_hook = fail_the_first
+
+
 install_from_environment()
+install_first_load_failure()
+
+
+def meet(barrier: dict | None, point: str) -> None:
+    """Wait (bounded) until every run sharing ``barrier`` has reached ``point``."""
+    if not barrier:
+        return
+    directory = barrier["directory"]
+    open(os.path.join(directory, f"{point}.{barrier['name']}"), "w").close()
+    deadline = time.monotonic() + BARRIER_BOUND
+    while sum(1 for f in os.listdir(directory) if f.startswith(f"{point}.")) < barrier["parties"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other runs did not reach {point!r} within {BARRIER_BOUND:.0f}s")
+        time.sleep(0.05)
 
 
 def make_model(path: str) -> None:
@@ -58,17 +111,21 @@ def main(config_path: str, out_path: str) -> int:
               max_model_len=4096, max_num_seqs=8, enable_prefix_caching=False, block_size=32, seed=0, **kw)
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True)
     result = {"init_s": time.monotonic() - t0, "batches": []}
-    for batch in cfg["batches"]:
+    barrier = cfg.get("barrier")
+    meet(barrier, "up")
+    for i, batch in enumerate(cfg["batches"]):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         result["batches"].append([
             {"tokens": list(o.outputs[0].token_ids),
              "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
             for o in outs])
+        meet(barrier, f"batch-{i}")
     abort = cfg.get("abort")
     if abort:
         result["abort"] = run_abort(llm, params, abort)
     with open(out_path, "w") as f:
         json.dump(result, f)
+    meet(barrier, "done")
     return 0
 
 
