@@ -33,7 +33,9 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
     cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
                        num_blocks=2 * nb + 2, block_size=16)
     assert cache.layout.object_bytes(TOKENS) == 1 << 30
-    with ServerProcess(l1_bytes=(1 << 30) + (64 << 20), chunk_size=CHUNK) as srv:
+    # the one engine here stores a prompt of nearly the whole pool: let one connection reserve all of it
+    with ServerProcess(l1_bytes=(1 << 30) + (64 << 20), chunk_size=CHUNK,
+                       extra_args=["--max-reserved-fraction", "1"]) as srv:
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0)
         area = None
