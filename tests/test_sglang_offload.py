@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +146,32 @@ def test_an_offload_whose_forward_fails_gives_its_reservation_back_and_stores_no
     assert completed(loader) is False
     assert free_bytes(client) == before, "the reservation went back with the failed offload, not 4 steps later"
     assert client.lookup(CacheKey.for_page_hashes("peek3", hashes, BS, model="offload-True")) == 0
+
+
+def test_closing_the_loader_unregisters_removes_its_segment_and_nothing_registers_again(server, client, tmp_path):
+    """SGLang's shutdown closes the linker (``release_host_resources``; the linker's ``atexit`` hook as the last
+    resort): the loader unregisters its instance and removes its registration area. A second close is a no-op,
+    and SGLang's calls after it (its storage threads may still run at exit) never reach the server again."""
+    settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, layers_per_stage=1, instance_id=750,
+                               record_path=str(tmp_path / "r.jsonl"))
+    cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
+    try:
+        runtime = WorkerRuntime(load_adapter("reference"), settings, model="offload-close")
+        runtime.register(cache.kv_caches)
+        loader = LayerLoader(runtime, NoLoads(), page_size=BS)
+        area = Path("/dev/shm") / runtime.registration_area.segment.name
+        assert area.exists() and 750 in client.server_info()["instances"]
+        _, hashes, slots = computed_pages(cache, seed=3)
+        loader.offload(hashes, slots)
+        assert completed(loader) is True
+        loader.close()
+        assert not area.exists(), "the registration area outlived the loader"
+        assert 750 not in client.server_info()["instances"], "the instance is still registered"
+        loader.close()  # SGLang's close, then the atexit hook: the second finds it done
+        assert loader.restorable_pages("after-close", hashes) == 0
+        assert loader.queue_load("after-close", hashes, slots) is False
+        loader.offload(hashes, slots)
+        assert completed(loader) is False
+        assert 750 not in client.server_info()["instances"] and not area.exists(), "a call after close registered"
+    finally:
+        cache.close()

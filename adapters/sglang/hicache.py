@@ -19,10 +19,20 @@ Each page is stored under its own one-page key (``CacheKey.for_page_hashes`` wit
 over any run of pages, from any position, so one page per object keeps every page addressable whatever the
 server's chunk size. HiCache fills host memory before the request is scheduled (its own host-to-device load
 is per layer), so these loads run chunk-major.
+
+Shutdown: SGLang closes its storage backend when the scheduler process exits (``UnifiedRadixCache`` registers
+an ``atexit`` hook that detaches the backend: its storage threads stop, then ``close``). The backend registers
+an ``atexit`` hook of its own as the last resort should that detach fail part way (registered later, it runs
+first; SGLang's ``close`` then finds the backend closed).
+:meth:`KvstrataHiCacheStorage.close` unregisters the host pool from the kvstrata server and removes this
+process's shared-memory segments; from then on every call is answered as a miss without reaching the server.
+A scheduler killed with SIGKILL (the offline ``Engine.shutdown``) closes nothing: the server forgets its
+instance when the connection's lease runs out, and :mod:`.reaper`'s watcher removes its segments.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -41,7 +51,7 @@ from kvstrata.core.transfer.layouts import LayoutError
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
-from . import hooks
+from . import hooks, reaper
 from .kv_layout import SglangHostPool, blocks_of_slots
 
 log = logging.getLogger(__name__)
@@ -62,6 +72,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         if storage_config.is_mla_model:
             raise ValueError("kvstrata's HiCache backend supports MHA host pools only (this model is MLA)")
         self.settings = RuntimeSettings.from_mapping(extra, where=CONFIG_WHERE)
+        reaper.watch()  # before any segment exists: a SIGKILL of this process leaves none behind
         self.rank, self.world_size = int(storage_config.tp_rank), int(storage_config.tp_size)
         self.model = self.settings.model_name or str(storage_config.model_name or "sglang-model")
         self.runtime: WorkerRuntime | None = None
@@ -72,6 +83,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self._runtime_lock = threading.Lock()
         self._client_lock = threading.Lock()
         """HiCache calls from its prefetch and its backup threads at once; the runtime is one engine thread's."""
+        self._closed = False
+        atexit.register(self.close)
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -93,7 +106,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                          page_size=self.page_size)
 
     def _held(self, owners: Sequence[str], keys: Sequence[str]) -> list[bool]:
-        """Which pages the server holds (page i locked for ``owners[i]`` until its END_SESSION or RETRIEVE)."""
+        """Which pages the server holds (page i locked for ``owners[i]`` until its FREE_LOOKUP_LOCKS or
+        RETRIEVE)."""
         return [reply is not None for reply in self._lookups(owners, keys)]
 
     def _lookups(self, owners: Sequence[str], keys: Sequence[str]) -> list[dict[str, Any] | None]:
@@ -101,6 +115,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         The LOOKUPs go out together and are answered in one round trip."""
         if not keys:
             return []
+        if self._closed:
+            return [None] * len(keys)
         try:
             with self._client_lock:
                 futures = [self.client.lookup_async(self._key(o, h)) for o, h in zip(owners, keys, strict=True)]
@@ -109,20 +125,22 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # a server that is down or errs: nothing is held, SGLang computes
             log.warning("kvstrata LOOKUP of %d pages failed (%s); reported as misses", len(keys), exc)
             for o in set(owners):
-                self._end_session(o)
+                self._free_lookup_locks(o)
             return [None] * len(keys)
 
-    def _end_session(self, owner: str) -> None:
+    def _free_lookup_locks(self, owner: str) -> None:
+        """Release ``owner``'s lookup locks, on the connection whose LOOKUPs took them (fire and forget)."""
         owner = lock_owner(owner, self.settings.instance_id + self.rank)
         try:
             with self._client_lock:
-                self.client.transport.send_oneway(RequestType.END_SESSION, [owner])
+                self.client.transport.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
         except Exception as exc:  # only a closed client raises here
-            log.debug("END_SESSION for %s not sent: %s", owner, exc)
+            log.debug("FREE_LOOKUP_LOCKS for %s not sent: %s", owner, exc)
 
     def _connected(self) -> bool:
+        """Registered with the server (or registering now); False once closed, so nothing registers again."""
         with self._runtime_lock:
-            return self.runtime.connect()
+            return not self._closed and self.runtime.connect()
 
     def _blocks(self, host_indices: torch.Tensor, keys: Sequence[str]) -> list[int] | None:
         try:
@@ -141,7 +159,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """How many leading pages of ``keys`` the server holds."""
         owner = f"hicache-exists-{next(self._ids)}"
         held = self._held([owner] * len(keys), keys)
-        self._end_session(owner)
+        self._free_lookup_locks(owner)
         return held.index(False) if False in held else len(held)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -159,14 +177,14 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                  for o, h, b, r in zip(owners, keys, blocks, replies, strict=True) if r is not None]
         for o, ok in zip(owners, held, strict=True):
             if not ok:
-                self._end_session(o)
+                self._free_lookup_locks(o)
         with self._runtime_lock:
             landed = self._run_loads(specs)
         return [ok and landed.get(o, False) for o, ok in zip(owners, held, strict=True)]
 
     def _run_loads(self, specs: list[LoadSpec]) -> dict[str, bool]:
         """Start the loads, wait (bounded) until every one settled; request id -> landed."""
-        if not specs:
+        if not specs or self._closed:
             return {}
         runtime = self.runtime
         runtime.start_loads(specs)
@@ -196,13 +214,16 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         owner = f"hicache-set-{next(self._ids)}"
         held = self._held([owner] * len(keys), keys)
-        self._end_session(owner)
+        self._free_lookup_locks(owner)
         out = []
         for i, (h, b, ok) in enumerate(zip(keys, blocks, held, strict=True)):
             if ok:
                 out.append(True)
                 continue
             with self._runtime_lock:
+                if self._closed:
+                    out.append(False)
+                    continue
                 failed_before = self.runtime.stats.total.stores_failed
                 self.runtime.store([StoreSpec(f"{owner}-{i}", b"", None, ((b,),), 0, (h,), self.page_size)])
                 out.append(self.runtime.stats.total.stores_failed == failed_before)
@@ -234,7 +255,19 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """SGLang's flush: the kvstrata server's store is shared with other engines, so nothing is deleted."""
 
     def close(self) -> None:
-        if self.runtime is not None:
-            with self._runtime_lock:
-                self.runtime.close()
-        self.client.close()
+        """Unregister the host pool from the kvstrata server and remove this process's shared-memory segments
+        (the runtime's registration area and its connections' rings). Idempotent; each step runs even if the
+        one before it failed."""
+        atexit.unregister(self.close)
+        with self._runtime_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.runtime is not None:
+                    self.runtime.close()
+            finally:
+                with self._client_lock:
+                    self.client.close()
+        log.info("kvstrata HiCache backend closed (instance %d unregistered if the server answered, "
+                 "segments removed)", self.settings.instance_id + self.rank)

@@ -12,10 +12,20 @@ counts and booleans out. The KV pool is SGLang's device pool itself (``k_buffer`
 ``kv_buffer`` for MLA), addressed by :mod:`.kv_layout`; SGLang's pool-group resolver refuses a plain MHA
 pool for direct linkers, so the linker names the pool itself (``pools = {PoolName.KV: kvcache}``).
 Only the full-attention KV pool is supported: SWA and Mamba components are refused by name.
+
+Shutdown: SGLang closes its linker on the scheduler's graceful exit (a ``ShutdownReq``, which its HTTP server
+sends on SIGTERM: the scheduler's event loop ends and ``release_host_resources`` calls
+``UnifiedRadixCache.release_host_resources`` -> the linker's ``close``). :meth:`KvstrataLinker.close`
+unregisters the cache from the kvstrata server and removes this process's shared-memory segments. As a last
+resort it is also an ``atexit`` hook of the scheduler process (an exit SGLang did not close the linker on,
+such as the scheduler's exception path). A scheduler killed with SIGKILL (what the offline ``Engine.shutdown``
+does to its schedulers, without a ``ShutdownReq``) runs neither: the kvstrata server then forgets its instance
+when the connection's lease runs out, and :mod:`.reaper`'s watcher removes its shared-memory segments.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from . import hooks
+from . import hooks, reaper
 from .kv_layout import SglangKVBuffers
 from .loader import LayerLoader, synchronize_events
 
@@ -62,6 +72,7 @@ class KvstrataLinker(UnifiedCacheLinker):
             raise ValueError(f"kvstrata's SGLang linker loads the full-attention KV pool only; this model also "
                              f"has {unsupported} cache components")
         settings = RuntimeSettings.from_mapping(extra_config or {}, where=CONFIG_WHERE)
+        reaper.watch()  # before any segment exists: a SIGKILL of this process leaves none behind
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         buffers = SglangKVBuffers.from_pool(kvcache, params.page_size)
         self.forward_stream = forward_stream
@@ -72,10 +83,15 @@ class KvstrataLinker(UnifiedCacheLinker):
                                            or getattr(server_args, "model_path", "sglang-model"))
         runtime = WorkerRuntime(load_adapter(hooks), settings, model=model, rank=rank,
                                 world_size=world)
-        runtime.register(buffers)
         self.on_cuda = buffers.device.type == "cuda"
-        self.loader = LayerLoader(runtime, self.layer_done_counter, page_size=params.page_size,
-                                  wait_for_offload_inputs=synchronize_events if self.on_cuda else None)
+        try:
+            runtime.register(buffers)
+            self.loader = LayerLoader(runtime, self.layer_done_counter, page_size=params.page_size,
+                                      wait_for_offload_inputs=synchronize_events if self.on_cuda else None)
+        except BaseException:  # SGLang does not close a linker it failed to build: unregister it here
+            runtime.close()
+            raise
+        atexit.register(self.close)
         log.info("kvstrata SGLang linker: %d layers, page %d, rank %d of %d, model %r, server %s", buffers.num_layers,
                  params.page_size, rank, world, model, settings.server_address)
 
@@ -121,5 +137,11 @@ class KvstrataLinker(UnifiedCacheLinker):
         self.loader.reset()
 
     def close(self) -> None:
+        """Unregister from the kvstrata server and remove this process's segments (idempotent)."""
+        atexit.unregister(self.close)
+        if self.loader.closed:
+            return
         self.loader.close()
+        log.info("kvstrata SGLang linker closed (instance %d unregistered if the server answered, "
+                 "segments removed)", self.runtime.instance_id)
 

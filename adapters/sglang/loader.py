@@ -103,6 +103,8 @@ class LayerLoader:
         self._down_until = 0.0
         self._unreachable_logged = False
         self._offload_ids = 0
+        self._closed = False
+        """Set by :meth:`close`: from then on nothing reaches the runtime (no call may register it again)."""
         self._thread = threading.Thread(target=self._run, name="kvstrata-sglang-loader", daemon=True)
         self._thread.start()
 
@@ -136,22 +138,24 @@ class LayerLoader:
                 log.warning("kvstrata server %s did not answer LOOKUP within %.1fs; SGLang computes prompts "
                             "instead (logged once until it answers again)", self.settings.server_address,
                             self.settings.lookup_timeout)
-            self._end_session(request_id)
+            self._free_lookup_locks(request_id)
             return None
         except Exception as exc:  # a server error: this request computes, the next asks again
             log.warning("LOOKUP for %s failed (%s); SGLang computes the prompt instead", request_id, exc)
-            self._end_session(request_id)
+            self._free_lookup_locks(request_id)
             return None
         self._unreachable_logged = False
         return reply
 
-    def _end_session(self, request_id: str) -> None:
-        """Release ``request_id``'s lookup locks (fire and forget: a lost release only delays an eviction)."""
+    def _free_lookup_locks(self, request_id: str) -> None:
+        """Release ``request_id``'s lookup locks (fire and forget: a lost release only delays an eviction).
+        Sent on the connection whose LOOKUP took them (the server lets only it, or the connection that
+        registered the owner's instance, free them)."""
         owner = lock_owner(request_id, self.runtime.instance_id)
         try:
-            self.client.transport.send_oneway(RequestType.END_SESSION, [owner])
+            self.client.transport.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
         except Exception as exc:  # only a closed client raises here
-            log.debug("END_SESSION for %s not sent: %s", owner, exc)
+            log.debug("FREE_LOOKUP_LOCKS for %s not sent: %s", owner, exc)
 
     # --- the scheduler's calls (SGLang's scheduler thread) -------------------------------------
 
@@ -163,13 +167,15 @@ class LayerLoader:
         pages = self._lookup_pages(probe, page_hashes)
         if pages is None:
             return 0
-        self._end_session(probe)  # load() locks what it will really retrieve
+        self._free_lookup_locks(probe)  # load() locks what it will really retrieve
         return pages
 
     def _connected(self) -> bool:
         """Whether loads can run: the runtime is registered with the server, or registers now (it retries at
         most every ``RECONNECT_INTERVAL``). Never blocks on a load in flight: a connected runtime answers
-        without the lock, and an unconnected one has nothing in flight."""
+        without the lock, and an unconnected one has nothing in flight. False once closed."""
+        if self._closed:
+            return False
         if self.runtime.connected:
             return True
         with self._runtime_lock:
@@ -179,7 +185,7 @@ class LayerLoader:
         """Queue the load of ``page_hashes`` into SGLang's token ``slots``; False: refused, SGLang computes."""
         if request_id in self._queued:
             raise RuntimeError(f"a kvstrata load for request {request_id!r} is already queued")
-        if not self.runtime.connected:  # a load now would only fail (and SGLang abort the request): compute
+        if self._closed or not self.runtime.connected:  # a load now would only fail (SGLang aborts it): compute
             log.info("load for %s refused: not registered with kvstrata at %s", request_id,
                      self.settings.server_address)
             return False
@@ -197,7 +203,7 @@ class LayerLoader:
         if pages != len(page_hashes):
             log.info("load for %s refused: the server holds %s of its %d pages now (evicted since the lookup?)",
                      request_id, pages, len(page_hashes))
-            self._end_session(request_id)
+            self._free_lookup_locks(request_id)
             return False
         r = self.runtime
         self._queued[request_id] = LoadSpec(
@@ -210,7 +216,7 @@ class LayerLoader:
         """Drop a queued load that has not started (its slots are about to be freed)."""
         if self._queued.pop(request_id, None) is None:
             return False
-        self._end_session(request_id)
+        self._free_lookup_locks(request_id)
         return True
 
     def start(self) -> int:
@@ -229,6 +235,9 @@ class LayerLoader:
 
     def offload(self, page_hashes: Sequence[str], slots: torch.Tensor, ready: Sequence[Any] = ()) -> None:
         """Store SGLang's pages ``page_hashes`` from ``slots``; the result is popped later (see below)."""
+        if self._closed:
+            self._offload_results.put(False)
+            return
         self._offload_ids += 1
         request_id = f"sglang-offload-{self._offload_ids}"
         hashes, slots = tuple(page_hashes), slots.to(device="cpu", dtype=torch.int64).clone()
@@ -406,7 +415,7 @@ class LayerLoader:
                      self.settings.server_address)
             return None, False
         stored = self._lookup_pages(request_id, page_hashes)  # skip what the server already holds
-        self._end_session(request_id)
+        self._free_lookup_locks(request_id)
         if stored is None:
             return None, False
         if stored >= len(page_hashes):
@@ -429,10 +438,24 @@ class LayerLoader:
             self._offload_results.get_nowait()
         self.counter.reset()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        self.reset()
-        self._tasks.put(None)
-        self._thread.join(timeout=self.settings.layer_wait_timeout + self.settings.retrieve_timeout)
-        with self._runtime_lock:
-            self.runtime.close()
-        self.client.close()
+        """At engine shutdown: finish what runs (bounded), stop the loader thread, unregister the cache from
+        the server and remove this process's shared-memory segments (the runtime's registration area and its
+        connections' rings). Idempotent, and each step runs even if one before it failed."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.reset()
+        finally:
+            self._tasks.put(None)
+            self._thread.join(timeout=self.settings.layer_wait_timeout + self.settings.retrieve_timeout)
+            try:
+                with self._runtime_lock:
+                    self.runtime.close()
+            finally:
+                self.client.close()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from kvstrata.adapters.sglang.reaper import watchers_of
 from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold
 
 HERE = Path(__file__).parent
@@ -50,9 +52,15 @@ def make_model(path: Path) -> None:
 
 
 def run_sglang(tmp: Path, name: str, steps: list[dict[str, Any]], engine: dict[str, Any] | None = None, *,
-               slice_hold: SliceHold | None = None, hicache_cpu: bool = False, timeout: float = 600) -> dict:
-    """One engine, a fresh interpreter, through ``steps``; fails the test if the stand-in kernel was called."""
-    cfg = {"model": str(tmp / "model"), "engine": engine or {}, "steps": steps, "max_tokens": 8}
+               slice_hold: SliceHold | None = None, hicache_cpu: bool = False, timeout: float = 600,
+               shutdown: str = "graceful") -> dict:
+    """One engine, a fresh interpreter, through ``steps``; fails the test if the stand-in kernel was called, or
+    if a process of the engine left a kvstrata shared-memory segment behind once it exited (the runner's
+    processes have all exited when it returns: it waits for the schedulers, ``Engine.shutdown`` for the rest).
+    ``shutdown="kill"``: the offline ``Engine.shutdown`` alone, which SIGKILLs the schedulers; their segments are
+    then the adapter's watchers' to remove: each exits once it has, and the check waits (bounded) for that."""
+    cfg = {"model": str(tmp / "model"), "engine": engine or {}, "steps": steps, "max_tokens": 8,
+           "shutdown": shutdown}
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     env = engine_env(tmp, name, slice_hold=slice_hold, hicache_cpu=hicache_cpu)
     started = time.monotonic()
@@ -64,9 +72,47 @@ def run_sglang(tmp: Path, name: str, steps: list[dict[str, Any]], engine: dict[s
     calls = Path(env[CALLS_ENV])
     assert not calls.exists(), f"SGLang run {name} called the sgl_kernel stand-in: {sorted(os.listdir(calls))}"
     out = json.loads((tmp / f"{name}.out").read_text())
+    if shutdown != "graceful":
+        assert watchers_done(out["engine_pids"], timeout=SEGMENT_WATCH_BOUND), \
+            f"SGLang run {name}: a segment watcher did not finish once the engine had exited"
+    left = segments_of(out["engine_pids"])
+    assert not left, f"SGLang run {name}: its processes left kvstrata shared-memory segments behind: {left}"
+    if engine:  # kvstrata's engines hold segments until their shutdown: the check above saw them go
+        assert out["segments_at_shutdown"], f"SGLang run {name}: no kvstrata segment existed at its shutdown"
+        assert out["watchers_at_shutdown"], f"SGLang run {name}: no segment watcher ran for its scheduler"
+        # gracefully, SGLang's shutdown closed the adapter (the watcher only removes a killed engine's segments)
+        closed = re.search(r"kvstrata (SGLang linker|HiCache backend) closed", log)
+        assert bool(closed) == (shutdown == "graceful"), \
+            f"SGLang run {name} ({shutdown} shutdown): the adapter was {'' if closed else 'not '}closed"
     out["wall_s"] = time.monotonic() - started
     out["log"] = log
     return out
+
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT = re.compile(r"^kvstrata-.+-(\d+)-[0-9a-f]{8}$")
+"""A kvstrata segment's name: ``kvstrata-<kind>-<creator's pid>-<random>`` (``kvstrata.core.shm``)."""
+
+
+def segments_of(pids: list[int]) -> list[str]:
+    """The kvstrata shared-memory segments that processes ``pids`` created and that still exist."""
+    pids = set(pids)
+    return sorted(n for n in os.listdir(SHM_DIR) if (m := SEGMENT.match(n)) and int(m.group(1)) in pids)
+
+
+SEGMENT_WATCH_BOUND = 60.0
+"""How long a killed engine's segment watchers may take to finish (each wakes when its process has exited;
+the bound only catches one that never does)."""
+
+
+def watchers_done(pids: list[int], *, timeout: float) -> bool:
+    """Wait (bounded) until no segment watcher of ``pids`` runs: each exits once it has removed its process's
+    segments, so what is left then stays. Checked as soon as they are done, what is gone is their work, not
+    a later sweep by a kvstrata server starting up (which removes dead processes' segments too)."""
+    deadline = time.monotonic() + timeout
+    while watchers_of(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not watchers_of(pids)
 
 
 def linker_engine(server_address: str, record: Path, **settings: Any) -> dict[str, Any]:

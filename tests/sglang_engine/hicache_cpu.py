@@ -1,4 +1,5 @@
-"""Test-only: what SGLang 0.5.23's HiCache needs replaced to run on a CPU machine (no CUDA, no sgl_kernel).
+"""Test-only: what SGLang 0.5.23's HiCache needs replaced to run on a CPU machine (no CUDA, no sgl_kernel), and
+the one host-memory reserve that would make the tests depend on what other processes use.
 
 HiCache's host pool and its host<->device copies are written for CUDA/HIP/XPU. On CPU these calls fail,
 and nothing of kvstrata's is involved in any of them; the tests replace them openly, in every process of the
@@ -15,6 +16,13 @@ engine (``sitecustomize.py`` calls :func:`install` when ``KVSTRATA_TEST_SGLANG_H
   ``kernel``: SGLang turns ``page_first`` + ``direct`` into ``page_first_direct``, so ``page_first`` runs only
   with the ``kernel`` backend; off CUDA its JIT variants are off, so ``MHATokenToKVPoolHost`` calls exactly
   these two), replaced by plain torch indexing with the same arguments and meaning.
+
+One setting is not CPU-only: ``pool_host/base.py``'s ``HICACHE_HOST_MEMORY_RESERVE_BYTES``. SGLang refuses
+a host pool unless 10 GiB of the machine's available memory stays free besides it (room for the OS and other
+processes of a serving host). The tests' host pool is 128 MiB (``hicache_ratio`` 2 of the runner's fixed
+16384-token device pool), on a 24 GiB machine shared with other processes: with the reserve, whether the engine
+starts would depend on how much memory those use. :func:`install` sets it to 0, so the check that remains is
+SGLang's own: the pool must fit in the memory available.
 
 The two ``kernel`` ops are byte copies defined in sgl-kernel's ``csrc/kvcacheio/transfer.cu``
 (``transfer_kv_launcher`` / ``transfer_kernel_impl`` with ``get_global_offset_pf``, ``_lf`` and
@@ -183,7 +191,9 @@ def transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor,
 
 
 def install() -> None:
-    from sglang.srt.mem_cache.pool_host import common, mha
+    from sglang.srt.mem_cache.pool_host import base, common, mha
+
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0  # read by host_memory_budget_bytes at each call
 
     def no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
         return None  # CPU only: nothing to pin for

@@ -14,7 +14,7 @@ import itertools
 from typing import Any
 
 import torch
-from kvstrata.core.shm import Segment
+from kvstrata.core.shm import Segment, create_cache_segment
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_WORKER, Region, blocks_layout, blocks_layout_bytes
 from kvstrata.core.wire.client import CacheClient
@@ -36,11 +36,13 @@ def corrupt_stored_layer(*, server_address: str, model: str, tokens: list[int], 
     hashes = sglang_page_hashes(tokens, page_size)
     pages = len(hashes)
     instance = next(_instances)
-    # a worker-placement engine registers a shared-memory staging area of its cache's shape: so does this
+    # a worker-placement engine registers a shared-memory staging area of its cache's shape: so does this (made
+    # as an engine's, with the proof of ownership the server asks of whoever registers a segment)
     geometry = {"num_layers": num_layers, "kv_size": 2, "num_blocks": pages + 1, "block_size": page_size,
                 "num_heads": num_heads, "head_size": head_size, "dtype": dtype}
-    staging = Segment.create("test-corrupt", blocks_layout_bytes(**geometry))
-    layout = blocks_layout(**geometry, region=Region("shm", staging.size, staging.name))
+    size = blocks_layout_bytes(**geometry)
+    staging = create_cache_segment("test-corrupt", size)
+    layout = blocks_layout(**geometry, region=Region("shm", size, staging.name))
     client = CacheClient(server_address, timeout=30.0)
     rid = f"test-corrupt-{instance}"
     try:
@@ -55,7 +57,7 @@ def corrupt_stored_layer(*, server_address: str, model: str, tokens: list[int], 
         try:
             data = torch.frombuffer(seg.buf, dtype=torch.float32, count=seg.size // 4)
             altered = 0
-            for offset, nbytes, num_tokens in objects:
+            for offset, nbytes, num_tokens, *_ in objects:  # then the object's generation-table slot and word
                 view = data[offset // 4:(offset + nbytes) // 4].view(2, num_layers, num_tokens, num_heads, head_size)
                 view[:, layer].neg_()
                 altered += num_tokens
@@ -87,7 +89,7 @@ def wait_stored(*, server_address: str, model: str, tokens: list[int], page_size
         while True:
             held = sum(client.lookup(CacheKey.for_page_hashes(owner, [h], page_size, model=model)) > 0
                        for h in hashes)
-            client.end_session(owner)
+            client.free_lookup_locks(owner)
             if held == len(hashes):
                 return {"pages": held}
             if time.monotonic() > deadline:

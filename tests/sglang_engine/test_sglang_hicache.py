@@ -9,7 +9,9 @@ Three engines, one server. A writer in ``layer_first`` computes prompts and back
 ``flush_cache`` its hits come from storage. A fresh engine in ``page_first`` reads what the writer stored,
 computes a new prompt, backs it up through its own layout and, after ``flush_cache``, gets it back from
 storage. A fresh engine in ``page_first_direct`` reads what both stored. Every page is gathered through its
-writer's layout and scattered through its reader's, so all outputs equal a run without kvstrata.
+writer's layout and scattered through its reader's, so all outputs equal a run without kvstrata. Each engine
+stops as SGLang's HTTP server stops it (a ``ShutdownReq``; SGLang closes the storage backend at the scheduler's
+exit), and leaves no kvstrata shared-memory segment behind (engine.py's ``run_sglang`` checks).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ The engines: a baseline without kvstrata (conftest.py, shared with the HiCache t
 engine that computes and offloads prompts, then loads them (alone, two in one batch, a prompt extending a
 cached one) and has one load fail part way; a fresh linker engine that reads what the first stored, with
 a control that alters one stored layer, and that goes on serving after the server is killed.
+
+No engine leaves a kvstrata shared-memory segment behind (engine.py's ``run_sglang`` checks each): the first
+engine stops as SGLang's HTTP server stops it (a ``ShutdownReq``: SGLang closes the linker, which unregisters
+and removes its segments), the fresh one with the offline ``Engine.shutdown`` alone (SIGKILL: the adapter's
+watcher removes what the killed scheduler created).
 """
 
 from __future__ import annotations
@@ -138,7 +143,8 @@ def test_a_fresh_engine_reads_what_the_first_stored_and_an_altered_layer_changes
         {"generate": [P1], "rids": ["down-p1"]}, FLUSH,        # 8: computed
         {"generate": [P2], "rids": ["down-p2"]},               # 10: computed
     ]
-    out = run_sglang(tmp, "fresh", steps, linker_engine(server.address, record, lookup_timeout=1.0))
+    out = run_sglang(tmp, "fresh", steps, linker_engine(server.address, record, lookup_timeout=1.0),
+                     shutdown="kill")
     s = out["steps"]
     assert_same(s[0][0], base["P1"], "P1 in a fresh engine, loaded from kvstrata")
     assert_same(s[2][0], base["P3"], "P3 in a fresh engine")
