@@ -160,7 +160,11 @@ class CacheServer:
         self._instances: dict[int, _Instance] = {}
         self._connections: dict[bytes | None, Connection] = {}
         self._draining: list[_Instance] = []
-        """Retired instances whose transfers have not ended yet (their targets and boards stay open)."""
+        """Retired instances whose transfers have not ended yet (their targets stay open)."""
+        self._graveyard: list[tuple[float, Callable[[], None]]] = []
+        """(when parked, close) of what ended connections mapped (boards, rings): closed by the lease watcher a
+        period later and only while no transfer is in flight, so no copy, device signal or busy poll still
+        reads them (unregistering a segment the GPU signals into must not wait on a device that waits on us)."""
         self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
         """Per lock owner holding lookup locks: its LOOKUP's key (cut to the hit) and digests, so RETRIEVE need
         not hash again."""
@@ -221,6 +225,9 @@ class CacheServer:
                     b.close()
                 conn.boards.clear()
             self._connections.clear()
+            graveyard, self._graveyard = self._graveyard, []
+        for _, close in graveyard:  # every transfer was settled by the transport's stop
+            close()
         self.store.close()
         log.info("kvstrata server stopped; shared-memory segment %s removed", self.store.segment.name)
 
@@ -832,8 +839,6 @@ class CacheServer:
         if close:
             inst.target.close()
             log.info("instance %d's cache closed: its last transfer has ended", inst.instance_id)
-            if inst.connection is not None:
-                self._close_boards_if_idle(inst.connection)
 
     def _retire(self, inst: _Instance) -> None:
         """Close an unregistered or replaced instance's target now, or once its transfers end."""
@@ -880,7 +885,8 @@ class CacheServer:
                         self.end_connection(identity, f"its lease ran out (silent for more than {lease:g}s)")
                     elif not self.transport.is_connected(identity):
                         self.end_connection(identity, "it disconnected")
-                self.transport.forget_silent(lease)
+                self._park(self.transport.forget_silent(lease))
+                self._bury(now - period)
             except Exception:  # the watcher must outlive any one failure, or leases would stop ending
                 if self._stopping.is_set():
                     return
@@ -909,21 +915,33 @@ class CacheServer:
             self._release_locks(owner)
         for inst in instances:
             self._retire(inst)
-        self._close_boards_if_idle(conn)
-        self.transport.forget(identity)
+        with self._lock:
+            boards, conn.boards = list(conn.boards.values()), {}
+        self._park([board.close for board in boards])
+        self._park(self.transport.forget(identity))
         self.connections_ended += 1
         log.info("connection %s ended (%s): released %d cache instance(s) %s, %d store reservation(s), the lookup "
                  "locks of %d request(s), %d arrival board(s)", conn.label(), why, len(instances), sorted(mine),
-                 len(reservations), len(owners), len(conn.boards))
+                 len(reservations), len(owners), len(boards))
 
-    def _close_boards_if_idle(self, conn: Connection) -> None:
-        """Unmap an ended connection's arrival boards once no transfer of its instances can write them."""
+    def _park(self, closers: list[Callable[[], None]]) -> None:
+        now = time.monotonic()
         with self._lock:
-            if not conn.ended or any(i.connection is conn for i in self._draining):
+            self._graveyard += [(now, close) for close in closers]
+
+    def _bury(self, parked_before: float) -> None:
+        """Close what was parked before ``parked_before``, if no transfer is in flight anywhere now."""
+        with self._lock:
+            busy = any(i.transfers for i in self._instances.values()) or bool(self._draining)
+            if busy or self.transport.replies_deferred or not self._graveyard:
                 return
-            boards, conn.boards = list(conn.boards.values()), {}
-        for board in boards:
-            board.close()
+            due = [c for t, c in self._graveyard if t <= parked_before]
+            self._graveyard = [(t, c) for t, c in self._graveyard if t > parked_before]
+        for close in due:
+            try:
+                close()
+            except Exception as exc:  # one mapping that will not close must not keep the others open
+                log.warning("closing a mapping of an ended connection failed: %s", exc)
 
     def _board(self, ref: dict[str, Any]) -> ArrivalBoard:
         """The arrival board a RETRIEVE names, mapped only once its header says it is one, with the slot and

@@ -886,21 +886,37 @@ class Server:
         """When client ``identity``'s last frame arrived (``time.monotonic()``), None if never or forgotten."""
         return self._last_seen.get(identity)
 
-    def forget(self, identity: bytes) -> None:
-        """Drop what the transport keeps for client ``identity``: its rings (its mailbox once no transfer holds
-        a slot) and when it was last seen. Its later frames are served as any new client's."""
+    def forget(self, identity: bytes) -> list[Callable[[], None]]:
+        """Drop what the transport keeps for client ``identity``: its rings and when it was last seen; its later
+        frames are served as any new client's. Returns what closes its rings, for the caller to run once no
+        thread can still be reading them (a busy poll started before may still watch a ring's word, and a
+        device may still be writing its mailbox)."""
         self._last_seen.pop(identity, None)
         with self._peers_lock:
             peer = self._peers.pop(identity, None)
-            if peer is not None:
+        if peer is None:
+            return []
+
+        def close() -> None:
+            with self._peers_lock:
                 peer.close()
 
-    def forget_silent(self, older_than_s: float) -> None:
-        """Forget every client silent for more than ``older_than_s`` seconds (the server's lease)."""
+        return [close]
+
+    def forget_silent(self, older_than_s: float) -> list[Callable[[], None]]:
+        """Forget every client silent for more than ``older_than_s`` seconds (the server's lease); see
+        :meth:`forget` for what it returns."""
         cutoff = time.monotonic() - older_than_s
+        closers: list[Callable[[], None]] = []
         for identity, seen in list(self._last_seen.items()):
             if seen < cutoff:
-                self.forget(identity)
+                closers += self.forget(identity)
+        return closers
+
+    @property
+    def replies_deferred(self) -> int:
+        """Transfers whose copies may still be running, answered by the polling thread once they are done."""
+        return len(self._awaiting)
 
     def is_connected(self, identity: bytes) -> bool:
         """Whether the client ``identity`` is still connected: a frame it ignores (a reply to request 0,
