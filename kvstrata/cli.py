@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import re
 import signal
@@ -151,6 +152,7 @@ def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     signal.signal(signal.SIGINT, on_signal)
     try:
         server.start()
