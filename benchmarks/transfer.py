@@ -375,7 +375,9 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
             for rnd in range(reps + 1):
                 order = widths[rnd % len(widths):] + widths[:rnd % len(widths)]
                 for width in order:
-                    rid = f"r{rnd}-w{width}"
+                    # the lock owner names the loading worker's instance: the worker may use the locks this
+                    # (scheduler's) connection took
+                    rid = f"r{rnd}-w{width}@i{worker.instance_id}"
                     key = CacheKey.for_tokens(rid, retrieve_prompt, model="llama")
                     looked_up = client.transport.wait(client.lookup_async(key))  # before the clock, as an engine
                     assert looked_up["hit_tokens"] == tokens

@@ -503,7 +503,10 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     worker = rig.workers.get(placement)
     reqs = rig.requests[:conc]
     tag = next(_run_ids)
-    rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}" for r in reqs]
+    # a lock owner names the loading worker's instance, so that worker may use the locks the scheduler's
+    # connection took
+    owner = f"@i{worker.instance_id}" if worker is not None else ""
+    rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}{owner}" for r in reqs]
     keys = [CacheKey.for_tokens(rid, r.prompt, model="llama") for rid, r in zip(rids, reqs)]
     located: list[Any] = [None] * conc
     if width is not None:
