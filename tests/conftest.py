@@ -33,14 +33,10 @@ def server():
 def inprocess_server():
     """A real CacheServer (real ZMQ socket, real shared-memory pool) in this process, for the protocol and
     handler tests, which need no process boundary: a module asks for it by overriding ``server`` with it."""
-    from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+    from helpers import inprocess_cache_server
 
-    directory = tempfile.mkdtemp(prefix="kvstrata-inprocess-")
-    os.chmod(directory, 0o700)
-    srv = CacheServer(ServerConfig(address=f"ipc://{directory}/server.sock", l1_bytes=256 << 20, chunk_size=64))
-    srv.start()
-    yield srv
-    srv.stop()
+    with inprocess_cache_server(256 << 20) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -83,3 +87,19 @@ def scheduler_lookup(scheduler, rid: str, prompt: list[int]) -> int:
         assert time.monotonic() < deadline, "the lookup never completed"
         time.sleep(0.001)
     return n
+
+
+@contextlib.contextmanager
+def inprocess_cache_server(l1_bytes: int, chunk_size: int = 64) -> Iterator["CacheServer"]:
+    """A real CacheServer (real ZMQ socket, real shared-memory pool) in this process, on a private IPC path."""
+    from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+
+    directory = tempfile.mkdtemp(prefix="kvstrata-inprocess-")
+    os.chmod(directory, 0o700)
+    srv = CacheServer(ServerConfig(address=f"ipc://{directory}/server.sock", l1_bytes=l1_bytes,
+                                   chunk_size=chunk_size))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -10,8 +10,6 @@ stays exact.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
-from kvstrata.core.server.cache_server import CacheServer, ServerConfig
+from kvstrata.core.server.cache_server import CacheServer
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.slice_hold import SliceHold
@@ -27,7 +25,7 @@ from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
-from helpers import SMALL_32, random_prompt
+from helpers import SMALL_32, inprocess_cache_server, random_prompt
 
 TOKENS = 256
 """1 MiB of SMALL_32's KV: the 4 MiB pool holds four prompts."""
@@ -36,12 +34,8 @@ TOKENS = 256
 @pytest.fixture(scope="module")
 def server():
     """A real CacheServer in this process, so a test can reach its store behind the protocol's back."""
-    directory = tempfile.mkdtemp(prefix="kvstrata-lost-locks-")
-    os.chmod(directory, 0o700)
-    srv = CacheServer(ServerConfig(address=f"ipc://{directory}/server.sock", l1_bytes=4 << 20, chunk_size=64))
-    srv.start()
-    yield srv
-    srv.stop()
+    with inprocess_cache_server(4 << 20) as srv:
+        yield srv
 
 
 def flood(address: str, instance: int, seed: int, count: int = 24) -> None:
