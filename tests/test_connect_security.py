@@ -13,6 +13,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -395,15 +396,44 @@ def as_nobody():
                               group=NOBODY, extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/",
                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
-    for python in candidates:
-        if os.path.exists(python):
-            try:
-                probe = run(python, "import os, zmq, kvstrata.core.wire.transport; print(os.getuid())")
-            except PermissionError:
-                continue
-            if probe.returncode == 0 and probe.stdout.split() == [str(NOBODY)]:
-                return lambda code, *args: run(python, code, *args)
+    def works(python: str) -> bool:
+        try:
+            probe = run(python, "import os, zmq, kvstrata.core.wire.transport; print(os.getuid())")
+        except PermissionError:
+            return False
+        return probe.returncode == 0 and probe.stdout.split() == [str(NOBODY)]
+
+    for attempt in range(2):
+        for python in candidates:
+            if os.path.exists(python) and works(python):
+                return lambda code, *args, python=python: run(python, code, *args)
+        if attempt == 0:
+            # this environment's packages may lie where uid 65534 cannot read them (tox makes .tox/ 0700): a
+            # copy of what the client needs, readable by everyone, stands in for them
+            site_packages = readable_copy_of_client_packages(tempfile.mkdtemp(prefix="kvstrata-other-user-"))
     pytest.skip("no Python that uid 65534 can run with this environment's pyzmq")
+
+
+def readable_copy_of_client_packages(directory) -> str:
+    """Copy the packages a kvstrata client imports (kvstrata, pyzmq with its bundled libzmq, msgpack, numpy)
+    into ``directory`` and open it to every user; returns its path."""
+    import msgpack
+    import numpy
+
+    import kvstrata
+
+    target = str(directory)
+    for module in (zmq, msgpack, numpy, kvstrata):
+        package = os.path.dirname(module.__file__)
+        shutil.copytree(package, os.path.join(target, os.path.basename(package)), dirs_exist_ok=True)
+        for libs in (package + ".libs", os.path.join(os.path.dirname(package), f"py{os.path.basename(package)}.libs")):
+            if os.path.isdir(libs):  # auditwheel's bundled shared libraries beside the package
+                shutil.copytree(libs, os.path.join(target, os.path.basename(libs)), dirs_exist_ok=True)
+    for root, dirs, files in os.walk(target):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644 if not name.endswith(".so") and ".so." not in name else 0o755)
+    return target
 
 
 def test_another_user_cannot_reach_an_ipc_server(server, as_nobody):
