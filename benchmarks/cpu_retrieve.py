@@ -46,7 +46,7 @@ def run_one(worker: LayerwiseWorker, client: CacheClient, engine: ReferenceEngin
     client.lookup(key)
     dst = engine.allocate(len(prompt))
     try:
-        worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+        worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
         while rid not in worker.get_finished():
             time.sleep(2e-5)  # an engine polls between steps; a hot spin holds the GIL the copy threads need
         for layer in range(engine.shape.num_layers):

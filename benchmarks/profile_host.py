@@ -241,7 +241,7 @@ def profile_submit(args: argparse.Namespace) -> int:
             t = time.perf_counter()
             if i % 2:
                 prof.enable()
-            worker.submit_retrieve(f"r{i}", key, [dst], layers_per_stage=args.width)
+            worker.submit_retrieve(f"r{i}", key, [dst], layers_per_slice=args.width)
             if i % 2:
                 prof.disable()
             else:

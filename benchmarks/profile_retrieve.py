@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     open(trace, "w").close()
                     engine_marks.clear()
                     done: list[float] = []
-                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                    worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
                     worker.future_of(rid).add_done_callback(lambda f: done.append(time.perf_counter()))
                     while rid not in worker.get_finished():
                         time.sleep(2e-5)

@@ -388,7 +388,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     done: list[float] = []
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     ev[0].record(stream)
-                    worker.submit_retrieve(rid, key, [dst], layers_per_stage=width, located=located)
+                    worker.submit_retrieve(rid, key, [dst], layers_per_slice=width, located=located)
                     fut = worker.future_of(rid)
                     fut.add_done_callback(lambda f: done.append(time.perf_counter()))
                     _spin_until_released(worker, rid)

@@ -537,7 +537,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     def submit_next() -> None:
         nonlocal submitted
         i = submitted
-        worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_stage=width, located=located[i])
+        worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_slice=width, located=located[i])
         submitted += 1
 
     released: list[int] = []

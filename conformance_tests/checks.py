@@ -88,7 +88,7 @@ def check_recorded_width(rig: Rig, r: Retrieval, expect_width: int | None) -> No
     """Worker placement: the width the engine side's record shows the load ran at is ``expect_width``."""
     if expect_width is None:
         return
-    asked = [e["layers_per_stage"] for e in rig.loads_started(r)]
+    asked = [e["layers_per_slice"] for e in rig.loads_started(r)]
     ran = 0 if rig.fallbacks(r) else (asked[0] if asked else None)
     require(ran == expect_width, "retrieve-payload",
             f"the load of {r.request_id} was to run at width {expect_width}; the engine side's record "
@@ -122,8 +122,8 @@ def catch_in_flight(rig: Rig, prompt: list[int]) -> tuple[Retrieval, int]:
         landed = progress.layers
     else:
         started = rig.loads_started(r)
-        if started and started[0]["layers_per_stage"] > 0:
-            landed = min(started[0]["layers_per_stage"], n)
+        if started and started[0]["layers_per_slice"] > 0:
+            landed = min(started[0]["layers_per_slice"], n)
     if not released:
         broken("early-release",
                f"request {r.request_id} was not released within {RELEASE_TIMEOUT:.0f}s while its transfer was "

@@ -99,7 +99,7 @@ class Rig:
     hold: SliceHold
     spec: HarnessSpec = field(default_factory=HarnessSpec)
     width: int = 1
-    """The slice width the engine side is deployed with (``layers_per_stage``; 0: chunk-major)."""
+    """The slice width the engine side is deployed with (``layers_per_slice``; 0: chunk-major)."""
     pool_slots: int = 8
     layer_wait_timeout: float = 5.0
     retrieve_timeout: float = 30.0
@@ -131,7 +131,7 @@ class Rig:
         self.client = CacheClient(self.proxy.address, timeout=10.0)
         self.driver = self.adapter.conformance_driver(self.spec)
         self.settings = RuntimeSettings(
-            server_address=self.proxy.address, layers_per_stage=self.width, placement=self.placement,
+            server_address=self.proxy.address, layers_per_slice=self.width, placement=self.placement,
             model_name=MODEL, lookup_timeout=10.0, layer_wait_timeout=self.layer_wait_timeout,
             retrieve_timeout=self.retrieve_timeout, pool_slots=self.pool_slots, instance_id=self.instance_id,
             record_path=self.record_path)

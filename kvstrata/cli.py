@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "then retrieve it chunk-major and layer-major with early release, checking "
                                    "every byte and printing what happened.")
     d.add_argument("--tokens", type=int, default=1024, help="prompt length (default 1024)")
-    d.add_argument("--layers-per-stage", type=int, default=1, help="slice width for the layer-major run (default 1)")
+    d.add_argument("--layers-per-slice", type=int, default=1, help="slice width for the layer-major run (default 1)")
     d.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kvstrata.demo import run_demo
 
-        return run_demo(tokens=args.tokens, layers_per_stage=args.layers_per_stage)
+        return run_demo(tokens=args.tokens, layers_per_slice=args.layers_per_slice)
     return 2
 
 

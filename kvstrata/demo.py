@@ -18,7 +18,7 @@ from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 
 
-def run_demo(tokens: int = 1024, layers_per_stage: int = 1) -> int:
+def run_demo(tokens: int = 1024, layers_per_slice: int = 1) -> int:
     shape = LLAMA_8B
     kv_bytes = tokens * shape.kv_bytes_per_token()
     print(f"kvstrata demo: {tokens}-token prompt, {shape.num_layers} layers, {kv_bytes / 2**20:.0f} MiB of KV")
@@ -38,13 +38,13 @@ def run_demo(tokens: int = 1024, layers_per_stage: int = 1) -> int:
             print(f"  STORE    {stored['stored_tokens']} tokens in {(time.perf_counter() - t) * 1e3:.1f} ms")
             engine.free(blocks)
 
-            for width in (0, layers_per_stage):
+            for width in (0, layers_per_slice):
                 rid = f"demo-retrieve-w{width}"
                 key = CacheKey.for_tokens(rid, prompt, model="demo")
                 hit = client.lookup(key)
                 dst = engine.allocate(tokens)
                 engine.clear(dst)
-                worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+                worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
                 released = []
                 while not released:
                     released = worker.get_finished()

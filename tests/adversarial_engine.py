@@ -49,7 +49,7 @@ def main(address: str, instance: int, seed: int) -> None:
     # a layer-major retrieve: the server maps this process's arrival board
     key = CacheKey.for_tokens(f"first-{seed}@i{instance}", prompt, model="adversarial")
     assert client.lookup(key) == TOKENS
-    server_side.submit_retrieve(key.request_id, key, [blocks], layers_per_stage=1)
+    server_side.submit_retrieve(key.request_id, key, [blocks], layers_per_slice=1)
     server_side.wait_all(60)
     assert engine.mismatched_layers(prompt, blocks, 0, TOKENS) == []
     # what it holds from now on

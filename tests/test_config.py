@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from kvstrata.core.engine.settings import resolve_layers_per_stage
+from kvstrata.core.engine.settings import resolve_layers_per_slice
 
 
 @pytest.mark.parametrize("value, width", [
@@ -10,11 +10,23 @@ from kvstrata.core.engine.settings import resolve_layers_per_stage
     ("8", 8), (" 2 ", 2), ("0", 0), ("true", 1), ("False", 0), ("", 0),
 ])
 def test_accepts_what_a_deployer_writes(value, width):
-    assert resolve_layers_per_stage(value) == width
+    assert resolve_layers_per_slice(value) == width
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, "eight", "-3", [1], {"n": 1}, 10**9])
 def test_anything_else_warns_and_reads_as_off(value, caplog):
     caplog.set_level(logging.WARNING)
-    assert resolve_layers_per_stage(value, setting="layerwise_overlap") == 0
+    assert resolve_layers_per_slice(value, setting="layerwise_overlap") == 0
     assert any("layerwise_overlap" in r.message and "stays off" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("old", ["layers_per_stage", "layerwise_overlap"])
+def test_old_slice_width_names_still_work_with_a_deprecation_warning(old, caplog):
+    from kvstrata.core.engine.settings import RuntimeSettings
+
+    caplog.set_level(logging.WARNING)
+    settings = RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", old: 4}, where="cfg")
+    assert settings.layers_per_slice == 4
+    assert any(f"cfg.{old} is deprecated" in r.message and "layers_per_slice" in r.message for r in caplog.records)
+    with pytest.raises(ValueError, match="not both"):
+        RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", old: 4, "layers_per_slice": 2})

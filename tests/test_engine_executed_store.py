@@ -47,7 +47,7 @@ def test_a_committed_store_is_found_and_loads_byte_exact(client, worker):
     again = w.store_to_pool(CacheKey.for_tokens("s1b", prompt, model="m"), [src])
     assert again == {"stored_tokens": 0, "skipped_tokens": TOKENS}, "what is stored is skipped"
     key, dst = lookup_into_fresh_blocks(client, engine, "l1", prompt)
-    w.submit_retrieve("l1", key, [dst], layers_per_stage=4)
+    w.submit_retrieve("l1", key, [dst], layers_per_slice=4)
     engine_loop(w, "l1", SMALL_32.num_layers)
     assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
     rec = w.records["l1"]  # the load's way to its first slice, for benchmarks/transfer.py
@@ -157,7 +157,7 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
             assert w.store_to_pool(CacheKey.for_tokens("s6b", prompt, model="m"), [src]) == \
                 {"stored_tokens": 128, "skipped_tokens": 0}
             dst_key, dst = lookup_into_fresh_blocks(client, engine, "l6", prompt[:128])
-            w.submit_retrieve("l6", dst_key, [dst], layers_per_stage=4)
+            w.submit_retrieve("l6", dst_key, [dst], layers_per_slice=4)
             engine_loop(w, "l6", SMALL_32.num_layers)
             assert engine.mismatched_layers(prompt[:128], dst, 0, 128) == []
         finally:
@@ -179,7 +179,7 @@ def test_a_store_reserved_ahead_of_the_forward_copies_into_that_reservation(clie
     assert w.store_to_pool(key, [src], reservation=ahead) == {"stored_tokens": TOKENS, "skipped_tokens": 0}
     assert w.last_store.reserved_ahead
     dst_key, dst = lookup_into_fresh_blocks(client, engine, "l7", prompt)
-    w.submit_retrieve("l7", dst_key, [dst], layers_per_stage=2)
+    w.submit_retrieve("l7", dst_key, [dst], layers_per_slice=2)
     engine_loop(w, "l7", SMALL_32.num_layers)
     assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
 

@@ -19,7 +19,7 @@ LAYERS = 4
 def test_the_runtime_counts_loads_releases_and_layer_waits(server) -> None:
     driver = reference.ReferenceConformanceDriver(HarnessSpec(num_layers=LAYERS, num_blocks=32))
     try:
-        driver.start(RuntimeSettings(server.address, layers_per_stage=1, instance_id=40))
+        driver.start(RuntimeSettings(server.address, layers_per_slice=1, instance_id=40))
         prompt = random_prompt(128, seed=21)
         blocks = driver.allocate(128)
         driver.prefill(prompt, blocks)

@@ -36,7 +36,7 @@ def test_server_killed_mid_retrieve_reports_failure_and_next_retrieve_works(tmp_
         key = CacheKey.for_tokens("doomed", prompt, model="m")
         client.lookup(key)
         dst = engine.allocate(tokens)
-        worker.submit_retrieve("doomed", key, [dst], layers_per_stage=1)
+        worker.submit_retrieve("doomed", key, [dst], layers_per_slice=1)
         hold.wait_held("doomed")
         release_of(worker, "doomed")
         srv.kill()
@@ -60,7 +60,7 @@ def test_server_killed_mid_retrieve_reports_failure_and_next_retrieve_works(tmp_
         key = CacheKey.for_tokens("after", small, model="m")
         assert client.lookup(key) == 128
         dst2 = engine.allocate(128)
-        worker.submit_retrieve("after", key, [dst2], layers_per_stage=1)
+        worker.submit_retrieve("after", key, [dst2], layers_per_slice=1)
         engine_loop(worker, "after", SMALL_32.num_layers)
         assert worker.records["after"].failure is None
         assert engine.mismatched_layers(small, dst2, 0, 128) == []
@@ -79,7 +79,7 @@ def test_a_slot_never_advanced_times_out_and_is_reported(tmp_path, caplog):
     worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=0.5, retrieve_timeout=1.0)
     try:
         key = CacheKey.for_tokens("orphan", list(range(64)), model="m")
-        worker.submit_retrieve("orphan", key, [[0, 1, 2, 3]], layers_per_stage=1)
+        worker.submit_retrieve("orphan", key, [[0, 1, 2, 3]], layers_per_slice=1)
         release_of(worker, "orphan")
         assert "retrieve timeout" in worker.take_failed()["orphan"][1]
         assert any("quarantined" in r.message for r in caplog.records)
@@ -105,7 +105,7 @@ def test_exhausted_pool_runs_chunk_major_logs_once_and_stays_correct(client, cap
             client.lookup(key)
             dsts[rid] = engine.allocate(tokens)
             engine.clear(dsts[rid])
-            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_stage=1)
+            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=1)
         for rid in ("a", "b", "c"):
             release_of(worker, rid)
         for layer in range(SMALL_32.num_layers):
@@ -134,7 +134,7 @@ def test_server_side_failure_marks_the_board_failed_and_releases(client):
         store_prompt(client, engine, prompt)
         key = CacheKey.for_tokens("bad", prompt, model="m")
         client.lookup(key)
-        worker.submit_retrieve("bad", key, [[0, 1, 2, 999]], layers_per_stage=1)
+        worker.submit_retrieve("bad", key, [[0, 1, 2, 999]], layers_per_slice=1)
         release_of(worker, "bad", timeout=60.0)
         reason = worker.take_failed()["bad"][1]
         assert "block ids [999] are outside" in reason
@@ -179,7 +179,7 @@ def test_a_worker_placement_failure_is_reported_when_its_copy_stops_while_the_en
             key = CacheKey.for_tokens("stalled", prompt, model="m")
             assert client.lookup(key) == tokens
             dst = engine.allocate(tokens)
-            worker.submit_retrieve("stalled", key, [dst], layers_per_stage=1)
+            worker.submit_retrieve("stalled", key, [dst], layers_per_slice=1)
             hold.wait_held("stalled")
             release_of(worker, "stalled")
             worker.wait_for_layer(1)  # never lands while held: the bounded wait fails the load

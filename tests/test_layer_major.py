@@ -33,7 +33,7 @@ def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
         for width in [0] + WIDTHS:
             rid = f"w{width}"
             key, dst = lookup_into_fresh_blocks(client, engine, rid, prompt)  # each width: its own range
-            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
             engine_loop(worker, rid, SMALL_32.num_layers)
             rec = worker.records[rid]
             assert rec.failure is None and rec.fallback is None, rec
@@ -67,7 +67,7 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement, tm
             prompt = random_prompt(tokens, seed=1)
             store_prompt(client, engine, prompt)
             key, dst = lookup_into_fresh_blocks(client, engine, "big", prompt)
-            worker.submit_retrieve("big", key, [dst], layers_per_stage=1)
+            worker.submit_retrieve("big", key, [dst], layers_per_slice=1)
             hold.wait_held("big")
             at_release = release_of(worker, "big")
             assert at_release == {"future_done": False, "draining": True}
@@ -110,15 +110,15 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
         key = CacheKey.for_tokens("direct", prompt, model="m")
         client.lookup(key)
         reply = client.retrieve(key, 0, [blocks, blocks], arrival_board={"name": board.name, "slot": 0, "generation": 1},
-                                layers_per_stage=1)
-        assert reply["layers_per_stage"] == 0 and "hybrid" in reply["fallback"]
+                                layers_per_slice=1)
+        assert reply["layers_per_slice"] == 0 and "hybrid" in reply["fallback"]
         assert board.read(0, 1).complete
         assert engine.mismatched_layers(prompt, blocks, 0, tokens) == []
         # the worker decides the same before sending, and logs it once
         for rid in ("h1", "h2"):
             key = CacheKey.for_tokens(rid, prompt, model="m")
             client.lookup(key)
-            worker.submit_retrieve(rid, key, [blocks, blocks], layers_per_stage=2)
+            worker.submit_retrieve(rid, key, [blocks, blocks], layers_per_slice=2)
             engine_loop(worker, rid, 32)
             assert "hybrid" in worker.records[rid].fallback
         assert sum("falls back to chunk-major" in r.message for r in caplog.records) == 1
@@ -145,7 +145,7 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             store_prompt(client, engine, prompt)
             key, dst = lookup_into_fresh_blocks(client, engine, "held", prompt)
             proxy.hold_replies("held")
-            worker.submit_retrieve("held", key, [dst], layers_per_stage=4)
+            worker.submit_retrieve("held", key, [dst], layers_per_slice=4)
             reply = worker.future_of("held")
             assert proxy.wait_for(lambda: proxy.reply_held("held"), 20), "the server never answered"
             release_of(worker, "held")
@@ -183,7 +183,7 @@ def test_a_worker_placement_copy_stops_before_its_failure_is_reported(client, tm
             prompt = random_prompt(tokens, seed=3)
             store_prompt(client, engine, prompt, instance_id=7)
             key, dst = lookup_into_fresh_blocks(client, engine, "stall", prompt)
-            worker.submit_retrieve("stall", key, [dst], layers_per_stage=1)
+            worker.submit_retrieve("stall", key, [dst], layers_per_slice=1)
             hold.wait_held("stall")
             engine_loop_until_released(worker, "stall")
             worker.wait_for_layer(1)  # never lands while held: the wait gives up and the load fails

@@ -118,7 +118,7 @@ class Engine:
     """One engine's scheduler and worker runtimes over a reference cache, driven as an engine's steps would."""
 
     def __init__(self, server: Any, placement: str, instance_id: int) -> None:
-        self.settings = RuntimeSettings(server.address, layers_per_stage=1, placement=placement,
+        self.settings = RuntimeSettings(server.address, layers_per_slice=1, placement=placement,
                                         instance_id=instance_id, layer_wait_timeout=BOUND, retrieve_timeout=BOUND)
         self.cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=64, block_size=BS))
         self.scheduler = SchedulerRuntime(load_adapter("reference"), self.settings, model=MODEL, block_size=BS)

@@ -97,7 +97,7 @@ def test_a_load_located_by_its_lookup_lands_byte_exact_without_a_retrieve(client
     retrieves = served_retrieves(client)
     dst = engine.allocate(TOKENS)
     engine.clear(dst)
-    worker.submit_retrieve("loc-2", key, [dst], layers_per_stage=4, located=ChunkLocations.from_lookup_reply(reply))
+    worker.submit_retrieve("loc-2", key, [dst], layers_per_slice=4, located=ChunkLocations.from_lookup_reply(reply))
     engine_loop(worker, "loc-2", SMALL_32.num_layers)
     assert engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
     rec = worker.records["loc-2"]
@@ -116,7 +116,7 @@ def test_locations_that_do_not_fit_this_cache_are_not_used(client, engine, worke
     dst = engine.allocate(TOKENS)
     engine.clear(dst)
     with caplog.at_level("INFO", logger="kvstrata.core.engine.layerwise_worker"):
-        worker.submit_retrieve("loc-3", key, [dst], layers_per_stage=4, located=other_shape)
+        worker.submit_retrieve("loc-3", key, [dst], layers_per_slice=4, located=other_shape)
     assert "do not fit this cache" in caplog.text
     engine_loop(worker, "loc-3", SMALL_32.num_layers)
     assert worker.records["loc-3"].located_by == "retrieve", "the server is asked where the chunks are instead"
@@ -134,7 +134,7 @@ def test_a_location_outside_the_pool_fails_the_load_for_recompute_and_writes_not
     dst = engine.allocate(TOKENS)
     engine.clear(dst)
     before = [engine.read_layer(layer, dst, 0, TOKENS).clone() for layer in range(SMALL_32.num_layers)]
-    worker.submit_retrieve("loc-4", key, [dst], layers_per_stage=4, located=beyond)
+    worker.submit_retrieve("loc-4", key, [dst], layers_per_slice=4, located=beyond)
     deadline = time.monotonic() + 60
     while not (failed := worker.take_failed()) and time.monotonic() < deadline:
         worker.get_finished()

@@ -82,7 +82,7 @@ def held_load(server: CacheServer, tmp_path, placement: str, instance: int, seed
     hold = SliceHold(tmp_path / "hold")
     hold.hold("lost", after_slices=1)
     with hold.installed():
-        worker.submit_retrieve("lost", key, [dst], layers_per_stage=1, located=located)
+        worker.submit_retrieve("lost", key, [dst], layers_per_slice=1, located=located)
         hold.wait_held("lost")  # slice 0 copied; the rest waits
         assert server.store.release_locks(key.request_id) > 0  # the test-only path: the locks are lost
         flood(server.address, instance + 2, seed=seed * 100)

@@ -48,7 +48,7 @@ def test_counters_match_what_was_stored_looked_up_and_retrieved(metered) -> None
         prompt = random_prompt(192, seed=11)
         store_prompt(client, engine, prompt)  # 192 tokens stored
         key, dst = lookup_into_fresh_blocks(client, engine, "m1", prompt)  # 192 tokens hit
-        worker.submit_retrieve("m1", key, [dst], layers_per_stage=1)
+        worker.submit_retrieve("m1", key, [dst], layers_per_slice=1)
         engine_loop(worker, "m1", SMALL_32.num_layers)
         miss = CacheKey.for_tokens("m2", random_prompt(128, seed=12), model="m")
         assert client.lookup(miss) == 0  # 128 tokens missed
@@ -91,7 +91,7 @@ def test_a_fallback_and_a_failure_are_counted_by_reason_and_kind(metered) -> Non
         key = CacheKey.for_tokens("fallback", prompt, model="m")
         client.lookup(key)
         reply = client.retrieve(key, 3, [blocks, blocks], arrival_board={"name": board.name, "slot": 0,
-                                                                          "generation": 1}, layers_per_stage=1)
+                                                                          "generation": 1}, layers_per_slice=1)
         with pytest.raises(RemoteError) as err:
             client.retrieve(CacheKey.for_tokens("nope", prompt, model="m"), 99, [blocks])
         assert err.value.code == "unknown_instance"
@@ -177,7 +177,7 @@ def test_a_deferred_transfer_is_counted_when_it_settles(inprocess_server) -> Non
     key = CacheKey.for_tokens("d", list(range(64)), model="m").to_wire()
 
     def retrieve(key, instance_id, block_ids, event_handle, skip_first_n_tokens, arrival_board,
-                 layer_event_handles, layers_per_stage):
+                 layer_event_handles, layers_per_slice):
         return Deferred(lambda: {"retrieved_tokens": 64, "fallback": "why not"}, lambda: True)
 
     def failing(key, instance_id, block_ids, event_handle, skip_first_n_tokens):

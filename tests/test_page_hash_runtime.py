@@ -36,7 +36,7 @@ def chain(prompt: list[int]) -> tuple[str, ...]:
 @pytest.mark.parametrize("placement", ["server", "worker"])
 def test_a_prompt_stored_and_loaded_by_page_hashes_reads_back_its_bytes(server: Any, tmp_path: Any,
                                                                        placement: str) -> None:
-    settings = RuntimeSettings(server.address, layers_per_stage=1, placement=placement,
+    settings = RuntimeSettings(server.address, layers_per_slice=1, placement=placement,
                                instance_id=700 + (placement == "worker"), record_path=str(tmp_path / "r.jsonl"))
     cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
     runtime = WorkerRuntime(load_adapter("reference"), settings, model="pages")

@@ -200,7 +200,7 @@ def test_the_runtimes_call_every_optional_hook_in_production(tmp_path: Path) -> 
     driver = adapter.conformance_driver(HarnessSpec(num_layers=4, num_blocks=32))
     with ServerProcess(l1_bytes=32 << 20, chunk_size=64) as server:
         try:
-            driver.start(RuntimeSettings(server.address, layers_per_stage=1, record_path=str(tmp_path / "r.jsonl")))
+            driver.start(RuntimeSettings(server.address, layers_per_slice=1, record_path=str(tmp_path / "r.jsonl")))
             prompt = list(range(1, 129))
             blocks = driver.allocate(len(prompt))
             driver.prefill(prompt, blocks)

@@ -22,7 +22,7 @@ def test_every_request_type_is_declared():
 def test_retrieve_is_eight_items_in_the_specified_order():
     assert [i.name for i in RETRIEVE_ITEMS] == [
         "key", "instance_id", "block_ids", "event_handle", "skip_first_n_tokens",
-        "arrival_board", "layer_event_handles", "layers_per_stage"]
+        "arrival_board", "layer_event_handles", "layers_per_slice"]
 
 
 def test_wrong_arity_handler_fails_registration_naming_retrieve(tmp_path):

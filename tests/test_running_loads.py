@@ -28,7 +28,7 @@ BOUND = 30.0
 def test_a_running_load_is_waited_on_never_handed_back_and_freed_once_settled(tmp_path: Path) -> None:
     hold = SliceHold(tmp_path / "hold")
     with ServerProcess(l1_bytes=64 << 20, chunk_size=64, slice_hold=hold) as srv:
-        settings = RuntimeSettings(srv.address, layers_per_stage=1, placement="server", instance_id=900)
+        settings = RuntimeSettings(srv.address, layers_per_slice=1, placement="server", instance_id=900)
         adapter = load_adapter("reference")
         scheduler = SchedulerRuntime(adapter, settings, model="running", block_size=BS)
         cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))

@@ -206,7 +206,7 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
         monkeypatch.setattr(client.transport._sock, "_drain", lambda: None)
         for width, (key, dst) in looked_up.items():
             rid = f"w{width}"
-            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
             engine_loop(worker, rid, SMALL_32.num_layers)
             worker.wait_all()
             rec = worker.records[rid]

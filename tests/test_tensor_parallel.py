@@ -64,7 +64,7 @@ class Rank:
 def tp(server: Any, tmp_path: Path, request: pytest.FixtureRequest):
     """Worker placement: each rank copies from the pool itself, starting from where its own rank's LOOKUP found
     its shard's chunks (the scheduler carries every rank's locations in the load's metadata)."""
-    settings = RuntimeSettings(server.address, layers_per_stage=1, instance_id=500, placement=request.param,
+    settings = RuntimeSettings(server.address, layers_per_slice=1, instance_id=500, placement=request.param,
                                record_path=str(tmp_path / "record.jsonl"))
     model = f"{MODEL}-{request.param}"  # the placements' prompts are stored apart on the module's server
     scheduler = SchedulerRuntime(load_adapter("reference"), settings, model=model, block_size=BS, world_size=WORLD)

@@ -20,7 +20,7 @@ from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_ever
 
 def _loads(*slice_counts: int) -> list[QueuedLoad]:
     """Loads with ``n`` one-layer slices each (slice_order reads only their slices, progress and error)."""
-    return [QueuedLoad(key=None, block_ids=[], skip_first_n_tokens=0, layers_per_stage=1, gate=None, record=None,
+    return [QueuedLoad(key=None, block_ids=[], skip_first_n_tokens=0, layers_per_slice=1, gate=None, record=None,
                        reply=None, slices=[(i, 1) for i in range(n)]) for n in slice_counts]
 
 
@@ -85,7 +85,7 @@ def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, pol
                 dsts = {}
                 for rid in ("first", "a", "b"):
                     key, dsts[rid] = lookup_into_fresh_blocks(client, engine, rid, prompt)
-                    worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_stage=width)
+                    worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width)
                     if rid == "first":
                         hold.wait_held("first")
                 hold.open("first")
@@ -179,7 +179,7 @@ def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_laye
         prompt = random_prompt(tokens, seed=22)
         store_prompt(client, engine, prompt, instance_id=13)
         key, dst = lookup_into_fresh_blocks(client, engine, "ahead", prompt)
-        worker.submit_retrieve("ahead", key, [dst], layers_per_stage=1)
+        worker.submit_retrieve("ahead", key, [dst], layers_per_slice=1)
         deadline = time.monotonic() + 60  # only catches a hang
         while len(backend.completions) < 3:
             assert time.monotonic() < deadline

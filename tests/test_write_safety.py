@@ -85,7 +85,7 @@ def test_a_retrieve_naming_what_is_not_an_arrival_board_is_refused_and_writes_no
                 assert client.lookup(key) == TOKENS
                 dst = engine.allocate(TOKENS)
                 with pytest.raises(RemoteError, match=why.replace("(", r"\(").replace(")", r"\)")):
-                    client.retrieve(key, 0, [dst], arrival_board=board_ref(name, slot), layers_per_stage=1)
+                    client.retrieve(key, 0, [dst], arrival_board=board_ref(name, slot), layers_per_slice=1)
                 engine.free(dst)
             # a refused request frees nothing: its locks stay with their holder, which frees them
             assert client.free_lookup_locks(f"bad-board-{slot}") == 2 * len(victims)  # two chunks a lookup
@@ -121,7 +121,7 @@ def test_a_rejected_retrieve_writes_no_word_on_its_real_board(client, engine):
             before = engine.regions[0].clone()
             blocks = kw.pop("block_ids") or [dst]
             with pytest.raises(RemoteError, match=why):
-                client.retrieve(key, 0, blocks, arrival_board=ref, layers_per_stage=1, **kw)
+                client.retrieve(key, 0, blocks, arrival_board=ref, layers_per_slice=1, **kw)
             assert torch.equal(engine.regions[0], before), f"case {i} wrote into the cache"
             client.free_lookup_locks(f"rejected-{i}")  # a request the protocol refused never reached them
             engine.free(dst)
@@ -246,7 +246,7 @@ def test_unregistering_while_a_transfer_copies_into_the_cache_keeps_the_server_a
             dst = eng.allocate(TOKENS)
             board = ArrivalBoard.create(1)
             try:
-                fut = client.retrieve_async(key, 0, [dst], arrival_board=board_ref(board.name), layers_per_stage=1)
+                fut = client.retrieve_async(key, 0, [dst], arrival_board=board_ref(board.name), layers_per_slice=1)
                 hold.wait_held("in-flight")
                 assert client.unregister_kv_cache(0) is True  # while the transfer is held after its first slice
                 hold.open("in-flight")

@@ -207,7 +207,7 @@ class LayerLoader:
             return False
         r = self.runtime
         self._queued[request_id] = LoadSpec(
-            request_id, request_id, b"", None, (tuple(blocks),), 0, self.settings.layers_per_stage,
+            request_id, request_id, b"", None, (tuple(blocks),), 0, self.settings.layers_per_slice,
             tuple(page_hashes), self.page_size,
             located=ChunkLocations.for_rank(reply, pages * self.page_size, r.rank, r.world_size))
         return True

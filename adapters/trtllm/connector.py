@@ -122,9 +122,9 @@ class KvstrataScheduler(_SchedulerBase):
         self._blocks: dict[Any, list[int]] = {}
         self._touched: set[str] = set()
         """kvstrata ids of requests with a load or store planned: their blocks wait for the workers."""
-        log.info("kvstrata TensorRT-LLM scheduler for %s (%d rank(s)): server %s, %s matching, layers_per_stage=%d",
+        log.info("kvstrata TensorRT-LLM scheduler for %s (%d rank(s)): server %s, %s matching, layers_per_slice=%d",
                  model, world, self.settings.server_address, "asynchronous" if self.options.async_load
-                 else "synchronous", self.settings.layers_per_stage)
+                 else "synchronous", self.settings.layers_per_slice)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """First context chunk: tokens kvstrata loads beyond the ``num_computed_tokens`` TensorRT-LLM reused.

@@ -6,7 +6,7 @@ Enable with::
                            "kv_connector_module_path": "kvstrata.adapters.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"server_address": "ipc:///run/kvstrata.sock",
-                                                         "layers_per_stage": 1}}'
+                                                         "layers_per_slice": 1}}'
 
 (the settings are :class:`kvstrata.core.engine.settings.RuntimeSettings`).
 vLLM builds one instance in the scheduler process (role SCHEDULER) and one in
@@ -146,11 +146,11 @@ class KvstrataConnector(KVConnectorBase_V1):
             self.worker_runtime = WorkerRuntime(adapter, self.settings, model=model, rank=rank, world_size=world)
         self._kv_cache_manager: Any = None
         self._layer_of: dict[str, int] = {}
-        log.info("kvstrata connector (%s%s) for %s: server %s, instance %d%s, layers_per_stage=%d%s", role.name,
+        log.info("kvstrata connector (%s%s) for %s: server %s, instance %d%s, layers_per_slice=%d%s", role.name,
                  f", rank {rank} of {world}" if world > 1 else "", model, self.settings.server_address,
                  self.settings.instance_id, "" if world == 1 else " + rank",
-                 self.settings.layers_per_stage,
-                 "" if self.settings.layers_per_stage else " (chunk-major, no early release)")
+                 self.settings.layers_per_slice,
+                 "" if self.settings.layers_per_slice else " (chunk-major, no early release)")
 
     # --- class-level, called at config time before any worker exists ------------------
 
@@ -161,7 +161,7 @@ class KvstrataConnector(KVConnectorBase_V1):
         Read from the same setting that sets the slice width, so the graph mode
         and the width cannot disagree.
         """
-        return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_stage > 0
+        return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_slice > 0
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats:

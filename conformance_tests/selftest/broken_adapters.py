@@ -42,7 +42,7 @@ class _ReferenceBased:
 
 class _DropsWidth(reference.ReferenceConformanceDriver):
     def start(self, settings: RuntimeSettings) -> None:
-        super().start(dataclasses.replace(settings, layers_per_stage=0))
+        super().start(dataclasses.replace(settings, layers_per_slice=0))
 
 
 class WidthDropped(_ReferenceBased):

@@ -56,7 +56,7 @@ class RetrieveRecord:
 
     request_id: str
     num_tokens: int
-    layers_per_stage: int
+    layers_per_slice: int
     submitted_at: float
     released_at: float | None = None
     completed_at: float | None = None
@@ -220,7 +220,7 @@ class LayerwiseWorker:
     # --- retrieve --------------------------------------------------------------------
 
     def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
-                        skip_first_n_tokens: int = 0, layers_per_stage: int = 0, running: bool = False,
+                        skip_first_n_tokens: int = 0, layers_per_slice: int = 0, running: bool = False,
                         located: ChunkLocations | None = None) -> None:
         """Start moving ``key``'s tokens into ``block_ids``; returns at once.
 
@@ -230,9 +230,9 @@ class LayerwiseWorker:
         without a RETRIEVE round trip (ignored in server placement, where the server copies).
         """
         blocks = [list(map(int, g)) for g in block_ids]
-        record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_stage, time.perf_counter())
+        record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_slice, time.perf_counter())
         gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
-        width = layers_per_stage
+        width = layers_per_slice
         if width > 0:
             reason = planner.layer_major_fallback_reason(self.layout)
             if reason is not None:
@@ -257,7 +257,7 @@ class LayerwiseWorker:
             fut = self.client.retrieve_async(
                 key, self.instance_id, blocks, skip_first_n_tokens=skip_first_n_tokens,
                 arrival_board=slot.board_ref() if slot else None,
-                layer_event_handles=slot.handles if slot else None, layers_per_stage=width)
+                layer_event_handles=slot.handles if slot else None, layers_per_slice=width)
             fut.add_done_callback(lambda f, r=record: self._note_reply(f, r))
             inflight = _InFlight(request_id, blocks, fut, gate, slot, width, record, lock_owner=key.request_id)
             if slot is not None:

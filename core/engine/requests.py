@@ -109,7 +109,7 @@ class ChunkLocations:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load ``tokens``' cached KV into ``block_ids``, from token ``skip`` on, in slices of ``layers_per_stage``."""
+    """Load ``tokens``' cached KV into ``block_ids``, from token ``skip`` on, in slices of ``layers_per_slice``."""
 
     request_id: str
     engine_request_id: Any
@@ -118,7 +118,7 @@ class LoadSpec:
     salt: str | None
     block_ids: tuple[tuple[int, ...], ...]
     skip: int
-    layers_per_stage: int
+    layers_per_slice: int
     page_hashes: tuple[str, ...] | None = None
     """An engine that names prompts by its own page-hash chain (SGLang) sets these and leaves ``tokens``
     empty: the key is then :meth:`CacheKey.for_page_hashes`."""

@@ -182,7 +182,7 @@ class SchedulerRuntime:
         located = tuple(loc.covering(hit.tokens) if loc is not None else None for loc in hit.located)
         self._pending_loads.append(LoadSpec(
             rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
-            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_stage,
+            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_slice,
             located=located if any(loc is not None for loc in located) else None, attempt=hit.attempt))
         self._loads_planned[rid] = hit.attempt
 

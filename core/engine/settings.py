@@ -11,10 +11,10 @@ from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
 
 log = logging.getLogger(__name__)
 
-MAX_LAYERS_PER_STAGE = 1 << 16
+MAX_LAYERS_PER_SLICE = 1 << 16
 
 
-def resolve_layers_per_stage(value: Any, *, setting: str = "layers_per_stage") -> int:
+def resolve_layers_per_slice(value: Any, *, setting: str = "layers_per_slice") -> int:
     """The slice width a deployer asked for: 0 = off (chunk-major), N > 0 = N layers per slice.
 
     Accepts what a deployer plausibly writes in JSON or a CLI: an int, a bool
@@ -45,9 +45,9 @@ def resolve_layers_per_stage(value: Any, *, setting: str = "layers_per_stage") -
         log.warning("%s=%r (%s) is not an int, bool or decimal string; layer-major overlap stays off",
                     setting, value, type(value).__name__)
         return 0
-    if width < 0 or width > MAX_LAYERS_PER_STAGE:
+    if width < 0 or width > MAX_LAYERS_PER_SLICE:
         log.warning("%s=%r is out of range [0, %d]; layer-major overlap stays off", setting, value,
-                    MAX_LAYERS_PER_STAGE)
+                    MAX_LAYERS_PER_SLICE)
         return 0
     return width
 
@@ -83,7 +83,7 @@ class RuntimeSettings:
     """
 
     server_address: str
-    layers_per_stage: int = 0
+    layers_per_slice: int = 0
     """The slice width: 0 = chunk-major (a request goes back when its transfer completes), N > 0 = N
     layers per slice (a request goes back when its first slice has landed). Off unless set, so
     turning kvstrata on never changes an engine's CUDA graph mode by itself."""
@@ -113,10 +113,11 @@ class RuntimeSettings:
     curve_client_key: str | None = None
     """This engine's secret key file (``NAME.key_secret``, mode 0600), whose public key the server authorizes."""
 
-    FIELDS = ("server_address", "layers_per_stage", "placement", "model_name", "lookup_timeout",
+    FIELDS = ("server_address", "layers_per_slice", "placement", "model_name", "lookup_timeout",
               "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path",
               "transfer_queue_policy", "curve_server_key", "curve_client_key")
-    ALIASES = {"layerwise_overlap": "layers_per_stage"}
+    ALIASES = {"layers_per_stage": "layers_per_slice", "layerwise_overlap": "layers_per_slice"}
+    """Old setting names that still work, each with a deprecation warning naming the new one."""
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any] | None, *, where: str = "extra config",
@@ -132,6 +133,7 @@ class RuntimeSettings:
             if alias in values:
                 if name in values:
                     raise ValueError(f"{where}: give {name!r} or its alias {alias!r}, not both")
+                log.warning("%s.%s is deprecated: it is now called %s", where, alias, name)
                 values[name] = values.pop(alias)
         unknown = sorted(set(values) - set(cls.FIELDS))
         if unknown:
@@ -140,8 +142,8 @@ class RuntimeSettings:
             from kvstrata.core.wire.transport import default_address
 
             values["server_address"] = default_address()
-        values["layers_per_stage"] = resolve_layers_per_stage(values.get("layers_per_stage"),
-                                                              setting=f"{where}.layers_per_stage")
+        values["layers_per_slice"] = resolve_layers_per_slice(values.get("layers_per_slice"),
+                                                              setting=f"{where}.layers_per_slice")
         placement = values.get("placement", PLACEMENT_AUTO)
         if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_WORKER):
             raise ValueError(f"{where}.placement must be {PLACEMENT_AUTO!r}, {PLACEMENT_SERVER!r} or "

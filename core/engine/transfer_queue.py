@@ -95,7 +95,7 @@ class QueuedLoad:
     key: CacheKey
     block_ids: list[list[int]]
     skip_first_n_tokens: int
-    layers_per_stage: int
+    layers_per_slice: int
     gate: LayerArrivalGate
     record: Any
     """The load's ``RetrieveRecord``: ``located_at`` and ``first_slice_at`` are set here."""
@@ -263,7 +263,7 @@ class TransferQueue:
         load.job = planner.TransferJob(self.layout, load.block_ids, copies)
         load.retrieved_tokens = load.job.num_tokens
         load.executor = load.copier.executor(spans)
-        load.slices = planner.layer_slices(self.layout.num_layers, load.layers_per_stage)
+        load.slices = planner.layer_slices(self.layout.num_layers, load.layers_per_slice)
         load.record.planned_at = time.perf_counter()
 
     def _enqueue_next_slice(self, load: QueuedLoad, nbytes: int) -> None:
@@ -272,7 +272,7 @@ class TransferQueue:
         try:
             if load.gate.failure:  # the engine gave up on this load: write no further slice
                 raise TransferAborted(load.gate.failure)
-            planner.enqueue_slice(load.executor, load.job, load.layers_per_stage, load.next_slice, load.request_id)
+            planner.enqueue_slice(load.executor, load.job, load.layers_per_slice, load.next_slice, load.request_id)
             completion = load.copier.mark_slice(load.executor)
             if load.next_slice == 0:
                 load.record.first_slice_at = time.perf_counter()
@@ -371,4 +371,4 @@ class TransferQueue:
                 load.future.set_exception(load.error)
             else:
                 load.future.set_result({"retrieved_tokens": load.retrieved_tokens,
-                                        "layers_per_stage": load.layers_per_stage})
+                                        "layers_per_slice": load.layers_per_slice})

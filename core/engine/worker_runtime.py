@@ -251,11 +251,11 @@ class WorkerRuntime:
             key = self._shard_key(spec)
             located = spec.located[self.rank] if spec.located and self.rank < len(spec.located) else None
             self.transfers.submit_retrieve(spec.request_id, key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                           layers_per_stage=spec.layers_per_stage, running=running,
+                                           layers_per_slice=spec.layers_per_slice, running=running,
                                            located=located)
             self.stats.bump(loads_started=1)
             self.record.write("load_started", request_id=spec.request_id, rank=self.rank, tokens=spec.num_tokens,
-                              skip=spec.skip, layers_per_stage=spec.layers_per_stage, running=running,
+                              skip=spec.skip, layers_per_slice=spec.layers_per_slice, running=running,
                               located_by=getattr(self.transfers.records.get(spec.request_id), "located_by", None))
 
     def wait_for_layer(self, layer: int) -> None:

@@ -615,18 +615,18 @@ class CacheServer:
     @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
-                 layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
+                 layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any] | Deferred:
         # A refused RETRIEVE frees nothing: the locks it names stay with their holder, who frees them (the
         # engine's runtime does on any failed load) or loses them with its lease.
         ck = self._key(key)
         self._check_may_use_owner(ck.request_id, self.transport.current_client())
         inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._retrieve(inst, ck, block_ids, event_handle, skip_first_n_tokens,
-                                                               arrival_board, layer_event_handles, layers_per_stage))
+                                                               arrival_board, layer_event_handles, layers_per_slice))
 
     def _retrieve(self, inst: _Instance, ck: CacheKey, block_ids: list[list[int]], event_handle: bytes | None,
                   skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
-                  layer_event_handles: list[bytes] | None, layers_per_stage: int) -> dict[str, Any] | Deferred:
+                  layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any] | Deferred:
         board: ArrivalBoard | None = None
         copying = False
         plan: _RetrievePlan | None = None
@@ -636,15 +636,15 @@ class CacheServer:
             if not 0 <= skip_first_n_tokens <= ck.num_tokens:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {ck.num_tokens}] "
                                    "(the key's tokens)")
-            if layers_per_stage < 0:
-                raise RequestError(f"layers_per_stage must be >= 0 (0: chunk-major), got {layers_per_stage}")
+            if layers_per_slice < 0:
+                raise RequestError(f"layers_per_slice must be >= 0 (0: chunk-major), got {layers_per_slice}")
             if arrival_board is not None:
                 board = self._board(arrival_board)
             if inst.placement == PLACEMENT_WORKER:
                 # the worker copies now; its FREE_LOOKUP_LOCKS unpins
                 return self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
             plan = self._plan_retrieve(ck, inst, block_ids, skip_first_n_tokens, board, event_handle,
-                                       layer_event_handles, layers_per_stage)
+                                       layer_event_handles, layers_per_slice)
             # The copy pins its objects itself: whatever happens to the lookup locks meanwhile (freed, their
             # holder's lease ended), no object it reads is evicted before the copy has ended.
             self.store.pin(plan.objects)
@@ -725,12 +725,12 @@ class CacheServer:
         """Worker placement: hand back where the objects are; the locks stay until FREE_LOOKUP_LOCKS."""
         # block_ids name the worker's own cache, which only the worker can check
         objects = self._locked_objects(ck, inst.layout)
-        return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_stage": 0, "fallback": None,
+        return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_slice": 0, "fallback": None,
                 "objects": self._object_rows(objects), "pool": self._pool_ref()}
 
     def _plan_retrieve(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]], skip: int,
                        board: ArrivalBoard | None, event_handle: bytes | None,
-                       layer_event_handles: list[bytes] | None, layers_per_stage: int) -> "_RetrievePlan":
+                       layer_event_handles: list[bytes] | None, layers_per_slice: int) -> "_RetrievePlan":
         """Check a server-placement retrieve and plan it; raises before anything is written."""
         layout = inst.layout
         n = ck.num_tokens
@@ -743,11 +743,11 @@ class CacheServer:
         job = planner.TransferJob(layout, block_ids, copies)
         events = inst.target.open_layer_events(layer_event_handles)
         end_events = inst.target.open_layer_events([event_handle]) if event_handle is not None else None
-        width = layers_per_stage
+        width = layers_per_slice
         fallback = None
         if width > 0:
             if board is None:
-                raise RequestError("layers_per_stage > 0 needs an arrival board reference")
+                raise RequestError("layers_per_slice > 0 needs an arrival board reference")
             fallback = planner.layer_major_fallback_reason(layout, native_available=inst.target.native_available)
             if fallback is not None:
                 planner.log_fallback_once(fallback)
@@ -782,7 +782,7 @@ class CacheServer:
             executor.close()
         if plan.end_events is not None:
             target.record(plan.end_events)
-        reply = {"retrieved_tokens": job.num_tokens, "layers_per_stage": width, "fallback": fallback,
+        reply = {"retrieved_tokens": job.num_tokens, "layers_per_slice": width, "fallback": fallback,
                  "objects": None, "pool": None}
         done = target.completion(self._end_signals(board, board_ref, layout.num_layers, reply))
 

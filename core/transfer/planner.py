@@ -3,7 +3,7 @@
 A retrieve moves a run of chunk objects into the engine's blocks. The
 chunk-major plan (the default) hands every object to the executor in one call
 covering all layers. The layer-major plan walks the layer axis in slices of
-``layers_per_stage`` layers, hands the executor every object's slice, and calls
+``layers_per_slice`` layers, hands the executor every object's slice, and calls
 ``on_layer_batch(layer_start, layer_count)`` after each slice so that the caller
 can record that slice's completion. An object is ``[kv, layer, token, hidden]``,
 so a layer slice is ``kv`` contiguous byte ranges inside it: no change to what is
@@ -117,29 +117,29 @@ def plan_copies(object_tokens: Sequence[int], chunk_size: int, first_position: i
     return copies
 
 
-def layer_slices(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]]:
+def layer_slices(num_layers: int, layers_per_slice: int) -> list[tuple[int, int]]:
     """(layer_start, layer_count) per slice; the last slice may be shorter."""
-    if layers_per_stage <= 0:
+    if layers_per_slice <= 0:
         return [(0, num_layers)]
-    return [(s, min(layers_per_stage, num_layers - s)) for s in range(0, num_layers, layers_per_stage)]
+    return [(s, min(layers_per_slice, num_layers - s)) for s in range(0, num_layers, layers_per_slice)]
 
 
-def enqueue_slice(executor: Executor, job: TransferJob, layers_per_stage: int, index: int,
+def enqueue_slice(executor: Executor, job: TransferJob, layers_per_slice: int, index: int,
                   request_id: str = "") -> None:
-    """Hand the executor slice ``index`` of ``layer_slices(num_layers, layers_per_stage)``.
+    """Hand the executor slice ``index`` of ``layer_slices(num_layers, layers_per_slice)``.
 
     For callers that interleave the slices of several transfers (the worker placement's queue); the caller
-    records the slice's completion and then calls :func:`slice_published`. ``layers_per_stage == 0`` is the
+    records the slice's completion and then calls :func:`slice_published`. ``layers_per_slice == 0`` is the
     chunk-major path: one all-layer launch.
     """
     hook = _slice_hook
     if index == 0 and hook is not None:
         hook(request_id, 0)
-    if layers_per_stage <= 0:
+    if layers_per_slice <= 0:
         executor.scatter(job, 0, 0)
     else:
-        start = index * layers_per_stage
-        executor.scatter(job, start, min(layers_per_stage, job.layout.num_layers - start))
+        start = index * layers_per_slice
+        executor.scatter(job, start, min(layers_per_slice, job.layout.num_layers - start))
 
 
 def slice_published(request_id: str, index: int) -> None:
@@ -158,26 +158,26 @@ def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLaye
     slice_published(request_id, 0)
 
 
-def run_layer_major(executor: Executor, job: TransferJob, layers_per_stage: int,
+def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
                     on_layer_batch: OnLayerBatch, request_id: str = "") -> None:
     """Issue one executor call per layer slice, calling back after each.
 
     Deliberately narrower than chunk-major: one KV group only (the caller falls
     back to chunk-major for hybrid layouts, see :func:`layer_major_fallback_reason`).
     """
-    if layers_per_stage <= 0:
-        raise ValueError("run_layer_major needs layers_per_stage > 0; 0 is the chunk-major path")
-    for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_stage)):
-        enqueue_slice(executor, job, layers_per_stage, index, request_id)
+    if layers_per_slice <= 0:
+        raise ValueError("run_layer_major needs layers_per_slice > 0; 0 is the chunk-major path")
+    for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_slice)):
+        enqueue_slice(executor, job, layers_per_slice, index, request_id)
         on_layer_batch(start, count)
         slice_published(request_id, index)
 
 
-def run_transfer(executor: Executor, job: TransferJob, layers_per_stage: int,
+def run_transfer(executor: Executor, job: TransferJob, layers_per_slice: int,
                  on_layer_batch: OnLayerBatch | None = None, request_id: str = "") -> None:
     """``request_id`` names the transfer to the test-only slice hook (see ``_slice_hook``); nothing else reads it."""
-    if layers_per_stage > 0:
-        run_layer_major(executor, job, layers_per_stage, on_layer_batch or (lambda s, c: None), request_id)
+    if layers_per_slice > 0:
+        run_layer_major(executor, job, layers_per_slice, on_layer_batch or (lambda s, c: None), request_id)
     else:
         run_chunk_major(executor, job, on_layer_batch, request_id)
 

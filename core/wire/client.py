@@ -15,17 +15,17 @@ from kvstrata.core.wire.transport import Client, RingSetting
 def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
                            skip_first_n_tokens: int = 0, event_handle: bytes | None = None,
                            arrival_board: dict[str, Any] | None = None,
-                           layer_event_handles: list[bytes] | None = None, layers_per_stage: int = 0) -> list[Any]:
+                           layer_event_handles: list[bytes] | None = None, layers_per_slice: int = 0) -> list[Any]:
     """The eight RETRIEVE items, in declaration order; ``(None, None, 0)`` as the tail when chunk-major.
 
     One builder for every sender: :meth:`CacheClient.retrieve_async` and the
     adapters' ``kvstrata_build_retrieve_payload`` hook both call it, so the
     payload shape cannot drift between the core and an adapter.
     """
-    if layers_per_stage == 0 and arrival_board is None and layer_event_handles is None:
+    if layers_per_slice == 0 and arrival_board is None and layer_event_handles is None:
         tail = list(chunk_major_retrieve_tail())
     else:
-        tail = [arrival_board, layer_event_handles, layers_per_stage]
+        tail = [arrival_board, layer_event_handles, layers_per_slice]
     return [key.to_wire(), instance_id, _int_lists(block_ids), event_handle, skip_first_n_tokens, *tail]
 
 
@@ -103,11 +103,11 @@ class CacheClient:
     def retrieve_async(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
                        skip_first_n_tokens: int = 0, event_handle: bytes | None = None,
                        arrival_board: dict[str, Any] | None = None, layer_event_handles: list[bytes] | None = None,
-                       layers_per_stage: int = 0) -> Future:
+                       layers_per_slice: int = 0) -> Future:
         """Send RETRIEVE: always eight items, ``(None, None, 0)`` as the tail when chunk-major."""
         payload = build_retrieve_payload(
             key, instance_id, block_ids, skip_first_n_tokens=skip_first_n_tokens, event_handle=event_handle,
-            arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_stage=layers_per_stage)
+            arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_slice=layers_per_slice)
         # as for STORE; a chunk-major retrieve's end may be announced in the mailbox (layer-major: the board)
         return self.transport.submit(RequestType.RETRIEVE, payload, validate=False, mailbox=arrival_board is None)
 

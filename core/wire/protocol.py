@@ -207,7 +207,7 @@ RETRIEVE_ITEMS = (
     Item("skip_first_n_tokens", NONNEG_INT),
     Item("arrival_board", optional(BOARD_REF)),
     Item("layer_event_handles", optional(list_of(BYTES))),
-    Item("layers_per_stage", NONNEG_INT),
+    Item("layers_per_slice", NONNEG_INT),
 )
 """RETRIEVE is always eight items. A chunk-major retrieve sends ``None, None, 0``
 for the last three; never shorten the list, both ends reject a wrong length."""

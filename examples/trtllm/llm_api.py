@@ -6,7 +6,7 @@ Not run in kvstrata's CI: TensorRT-LLM cannot be installed there (see README.md)
 
 then run this with kvstrata's settings in the environment every TensorRT-LLM rank inherits::
 
-    KVSTRATA_TRTLLM_CONFIG='{"server_address": "ipc:///run/kvstrata/kvstrata.sock", "layers_per_stage": 1}' \\
+    KVSTRATA_TRTLLM_CONFIG='{"server_address": "ipc:///run/kvstrata/kvstrata.sock", "layers_per_slice": 1}' \\
         python llm_api.py /path/to/model
 """
 

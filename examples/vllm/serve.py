@@ -35,7 +35,7 @@ def main(address: str) -> int:
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvstrataConnector", kv_connector_module_path="kvstrata.adapters.vllm",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
-                  kv_connector_extra_config={"server_address": address, "layers_per_stage": 1,
+                  kv_connector_extra_config={"server_address": address, "layers_per_slice": 1,
                                              "record_path": record}))
     prompt = {"prompt_token_ids": [random.Random(0).randrange(3, 999) for _ in range(1500)]}
     params = SamplingParams(max_tokens=8, temperature=0.0)

@@ -66,7 +66,7 @@ def engine(gpu_server, tmp_path_factory):
     buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
     record = tmp_path_factory.mktemp("engine-executed") / "record.jsonl"
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_stage": 1, "record_path": str(record),
+        "server_address": gpu_server.address, "layers_per_slice": 1, "record_path": str(record),
         "instance_id": 60, "placement": "worker"}, where="kv_connector_extra_config")
     side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
     side.register(layers)
@@ -173,7 +173,7 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
     the copy has stopped the load's blocks come back through the failure report (vLLM's: block ids)."""
     _, layers, tokens, _, _ = engine
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_stage": 1, "instance_id": 61, "placement": "worker",
+        "server_address": gpu_server.address, "layers_per_slice": 1, "instance_id": 61, "placement": "worker",
         "layer_wait_timeout": 0.5}, where="kv_connector_extra_config")
     side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
     hold = SliceHold(tmp_path / "hold")

@@ -59,7 +59,7 @@ def test_engine_executed_widths_match_the_stored_blocks_and_chunk_major(gpu_serv
             cache.poison(dst)
             torch.cuda.synchronize()
             # from where the LOOKUP found the chunks, as the engine runtime starts a worker-placement load
-            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width,
+            worker.submit_retrieve(rid, key, [dst], layers_per_slice=width,
                                    located=ChunkLocations.from_lookup_reply(reply))
             _, reads = release_then_read(worker, rid, lambda layer: cache.read(dst, 0, TOKENS, [layer]),
                                          cache.num_layers)

@@ -46,7 +46,7 @@ def test_a_load_whose_chunks_are_evicted_under_it_fails_and_its_blocks_are_recom
         buf, layers = vllm_gpu_cache("LBNHC")
         buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
         settings = RuntimeSettings.from_mapping({
-            "server_address": srv.address, "layers_per_stage": 1, "instance_id": 70, "placement": "worker"},
+            "server_address": srv.address, "layers_per_slice": 1, "instance_id": 70, "placement": "worker"},
             where="kv_connector_extra_config")
         side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-lost")
         flood = ReferenceEngine(FLOOD_SHAPE, num_blocks=N_BLOCKS, block_size=BS)

@@ -67,7 +67,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             assert reply["hit_tokens"] == TOKENS
             torch.cuda.synchronize()
             located = ChunkLocations.from_lookup_reply(reply) if placement == "worker" else None
-            worker.submit_retrieve("big", key, [dst], layers_per_stage=1, located=located)
+            worker.submit_retrieve("big", key, [dst], layers_per_slice=1, located=located)
             state, reads = release_then_read(
                 worker, "big", lambda layer: cache.read(dst, 0, TOKENS, [layer]).eq(truth[:, layer:layer + 1]).all(),
                 cache.num_layers)

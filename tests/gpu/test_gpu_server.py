@@ -71,12 +71,12 @@ def test_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
             dst = shuffled_blocks((i + 1) * nb, nb, seed=100 + i)
             cache.poison(dst)
             torch.cuda.synchronize()
-            worker.submit_retrieve(rid, key, [dst], layers_per_stage=width)
+            worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
             _, reads = release_then_read(worker, rid, lambda layer: cache.read(dst, 0, TOKENS, [layer]),
                                          cache.num_layers)
             rec = worker.records[rid]
             assert rec.failure is None and rec.fallback is None, rec
-            assert rec.layers_per_stage == width
+            assert rec.layers_per_slice == width
             for layer, got in enumerate(reads):
                 assert got.equal(truth[:, layer:layer + 1]), f"{fmt}/{dtype} width {width}: layer {layer} differs"
             per_width[width] = reads

@@ -119,7 +119,7 @@ def engine(request, gpu_server, tmp_path_factory):
         t[idx] = torch.randn(len(idx), *t.shape[1:], device="cuda").to(t.dtype)
     truth = [t[idx].clone() for t in kv.planes()]
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_stage": 1, "placement": "worker",
+        "server_address": gpu_server.address, "layers_per_slice": 1, "placement": "worker",
         "instance_id": 70 + mla, "layer_wait_timeout": 10.0,
         "record_path": str(tmp_path_factory.mktemp("sglang-gpu") / "record.jsonl")}, where="test")
     runtime = WorkerRuntime(load_adapter(sglang_hooks, check_engine=False), settings, model=f"sglang-gpu-{mla}")

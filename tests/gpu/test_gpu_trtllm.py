@@ -117,7 +117,7 @@ def same(a: dict[int, Any], b: dict[int, Any]) -> None:
 
 def deploy(monkeypatch: pytest.MonkeyPatch, address: str, tmp_path: Any, **values: Any) -> str:
     record = str(tmp_path / f"record-{len(list(tmp_path.iterdir()))}.jsonl")
-    monkeypatch.setenv(ENV_VAR, json.dumps({"server_address": address, "layers_per_stage": 1,
+    monkeypatch.setenv(ENV_VAR, json.dumps({"server_address": address, "layers_per_slice": 1,
                                             "record_path": record, "placement": "auto", **values}))
     return record
 

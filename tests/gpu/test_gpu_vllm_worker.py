@@ -48,7 +48,7 @@ def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_releas
     buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
     record = tmp_path / "record.jsonl"
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_stage": 1, "record_path": str(record),
+        "server_address": gpu_server.address, "layers_per_slice": 1, "record_path": str(record),
         "instance_id": 40 + (physical == "LBHNC"), "placement": "server"}, where="kv_connector_extra_config")
     side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model=f"vllm-gpu-{physical}")
     client = CacheClient(gpu_server.address)

@@ -63,8 +63,8 @@ def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
         pool = client.server_info()["pool"]["name"]
         rejected = [
             dict(block_ids=[[*dst[:-1], cache.layout.num_blocks]]),  # one block id past the end
-            dict(block_ids=[dst], arrival_board={"name": pool, "slot": 0, "generation": 1}, layers_per_stage=1),
-            dict(block_ids=[dst], arrival_board={"name": board.name, "slot": 1, "generation": 1}, layers_per_stage=1),
+            dict(block_ids=[dst], arrival_board={"name": pool, "slot": 0, "generation": 1}, layers_per_slice=1),
+            dict(block_ids=[dst], arrival_board={"name": board.name, "slot": 1, "generation": 1}, layers_per_slice=1),
             dict(block_ids=[dst], skip_first_n_tokens=TOKENS + 1),
         ]
         for i, kw in enumerate(rejected):
@@ -79,7 +79,7 @@ def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
         assert bytes(board.segment.buf[64:]) == bytes(64)
         key = CacheKey.for_tokens(f"good-{iid}", prompt, model="g")
         assert client.lookup(key) == TOKENS
-        worker.submit_retrieve(f"good-{iid}", key, [dst], layers_per_stage=1)
+        worker.submit_retrieve(f"good-{iid}", key, [dst], layers_per_slice=1)
         release_then_read(worker, f"good-{iid}", lambda layer: None, 32)
         assert torch.equal(cache.read(dst, 0, TOKENS), truth), "the GPU retrieve after rejected requests differs"
     finally:

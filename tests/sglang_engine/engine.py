@@ -116,7 +116,7 @@ def watchers_done(pids: list[int], *, timeout: float) -> bool:
 
 
 def linker_engine(server_address: str, record: Path, **settings: Any) -> dict[str, Any]:
-    extra = {"server_address": server_address, "layers_per_stage": 1, "record_path": str(record),
+    extra = {"server_address": server_address, "layers_per_slice": 1, "record_path": str(record),
              "lookup_timeout": 2.0, "layer_wait_timeout": 5.0, **settings}
     return {"enable_unified_cache_external_linker": True, "unified_cache_external_linker_backend": "dynamic",
             "unified_cache_external_linker_config": {**LINKER, "linker_extra_config": extra}}

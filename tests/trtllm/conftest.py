@@ -29,7 +29,7 @@ def deploy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
 
     def set_settings(server_address: str, **values: Any) -> str:
         record = os.path.join(tempfile.mkdtemp(prefix="kvstrata-trtllm-record-"), "record.jsonl")
-        settings = {"server_address": server_address, "layers_per_stage": 1, "record_path": record,
+        settings = {"server_address": server_address, "layers_per_slice": 1, "record_path": record,
                     "lookup_timeout": 10.0, "layer_wait_timeout": 10.0, **values}
         monkeypatch.setenv(ENV_VAR, json.dumps(settings))
         return record

@@ -9,14 +9,14 @@ from kvstrata.adapters.trtllm import settings
 
 
 def test_inline_json() -> None:
-    s, o = settings.load({settings.ENV_VAR: '{"server_address": "ipc:///tmp/x.sock", "layers_per_stage": 2, '
+    s, o = settings.load({settings.ENV_VAR: '{"server_address": "ipc:///tmp/x.sock", "layers_per_slice": 2, '
                                             '"async_load": true}'})
-    assert (s.server_address, s.layers_per_stage, o.async_load) == ("ipc:///tmp/x.sock", 2, True)
+    assert (s.server_address, s.layers_per_slice, o.async_load) == ("ipc:///tmp/x.sock", 2, True)
 
 
 def test_unset_is_every_default() -> None:
     s, o = settings.load({})
-    assert (s.layers_per_stage, s.placement, o.async_load) == (0, "auto", False)
+    assert (s.layers_per_slice, s.placement, o.async_load) == (0, "auto", False)
 
 
 def test_json_and_yaml_files(tmp_path) -> None:
@@ -25,9 +25,9 @@ def test_json_and_yaml_files(tmp_path) -> None:
     s, _ = settings.load({settings.ENV_VAR: str(j)})
     assert (s.placement, s.instance_id) == ("worker", 3)
     y = tmp_path / "kv.yaml"
-    y.write_text("layers_per_stage: 4\nasync_load: false\n")
+    y.write_text("layers_per_slice: 4\nasync_load: false\n")
     s, o = settings.load({settings.ENV_VAR: str(y)})
-    assert (s.layers_per_stage, o.async_load) == (4, False)
+    assert (s.layers_per_slice, o.async_load) == (4, False)
 
 
 def test_unknown_key_named_with_the_variable_and_file(tmp_path) -> None:

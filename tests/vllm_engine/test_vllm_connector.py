@@ -111,7 +111,7 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 
 def connector_config(server, tmp: Path, name: str, **extra):
-    return {"server_address": server.address, "layers_per_stage": 1, "record_path": str(tmp / f"{name}.jsonl"),
+    return {"server_address": server.address, "layers_per_slice": 1, "record_path": str(tmp / f"{name}.jsonl"),
             "lookup_timeout": 2.0, "layer_wait_timeout": 5.0, **extra}
 
 
@@ -189,7 +189,7 @@ def test_server_stopped_between_runs_vllm_recomputes_and_nothing_hangs(work, tmp
     with ServerProcess(address=address, chunk_size=64, l1_bytes=256 << 20) as server:
         run_vllm(tmp, "before-stop", [[A]], connector_config(server, tmp, "before-stop"))
     # no server at that address now: lookups time out, every prompt is computed
-    cfg = {"server_address": address, "layers_per_stage": 1, "lookup_timeout": 1.0, "layer_wait_timeout": 2.0,
+    cfg = {"server_address": address, "layers_per_slice": 1, "lookup_timeout": 1.0, "layer_wait_timeout": 2.0,
            "retrieve_timeout": 5.0, "record_path": str(tmp / "stopped.jsonl")}
     stopped = run_vllm(tmp, "stopped", [[A], [B]], cfg, timeout=300)
     assert_same(stopped["batches"][0][0], base[0], "A with the server down")

@@ -20,7 +20,7 @@ def test_get_kv_connector_stats_reports_the_interval_and_vllm_can_sum_and_reduce
     with ServerProcess(l1_bytes=64 << 20, chunk_size=64) as server:
         driver = VllmConformanceDriver(spec)
         try:
-            driver.start(RuntimeSettings(server.address, layers_per_stage=1, model_name="stats-model"))
+            driver.start(RuntimeSettings(server.address, layers_per_slice=1, model_name="stats-model"))
             prompt = list(range(100, 100 + 256))
             blocks = driver.allocate(256)
             driver.prefill(prompt, blocks)
