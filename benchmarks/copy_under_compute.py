@@ -1,7 +1,7 @@
 """Diagnostic of the arm-to-arm spread (issue 19): which part of a load decides how fast the copy engine moves it
 while the engine computes.
 
-``ttft.py`` runs showed one engine-executed arm of identical settings loading about 5% slower under compute than
+``ttft.py`` runs showed one engine-placement arm of identical settings loading about 5% slower under compute than
 another, all of it the copy engine's own host-to-staging time, decided by the order of the arms' first transfers
 (``results/h200-2026-12-03-session12``), and not by how many copy streams a piece is split across
 (``results/h200-2026-12-03-session13``). This takes the pieces apart. One source is the L1 pool as an engine maps

@@ -21,7 +21,7 @@ import torch
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
@@ -86,7 +86,7 @@ def main() -> int:
         client.register_kv_cache(0, engine.layout, PLACEMENT_SERVER)
         client.store(CacheKey.for_tokens("store", prompt, model="bench"), 0, [blocks])
         engine.free(blocks)
-        for placement in (PLACEMENT_SERVER, PLACEMENT_WORKER):
+        for placement in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
             worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
             worker.register()
             rows = {}

@@ -288,10 +288,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                    ) -> dict[str, Any]:
     """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
     ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
-    over CUDA IPC) or ``worker`` (engine-executed: this process maps the pool read-only and copies with its own
-    streams; the prompt is stored through a second, server-placement instance). ``locate`` (worker placement):
+    over CUDA IPC) or ``worker`` (engine-placement: this process maps the pool read-only and copies with its own
+    streams; the prompt is stored through a second, server-placement instance). ``locate`` (engine placement):
     ``lookup`` starts each load from where its LOOKUP found the chunks, as the engine runtime does;
-    ``retrieve`` asks RETRIEVE first (the A/B). ``worker_rings``: the engine-executed worker's ``shm_rings``
+    ``retrieve`` asks RETRIEVE first (the A/B). ``worker_rings``: the engine-placement worker's ``shm_rings``
     (None: its default, none attached)."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.wire.client import CacheClient
@@ -308,7 +308,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     cache.write(truth, src)
     torch.cuda.synchronize()
     out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "rings": rings}
-    if placement == "worker":
+    if placement == "engine":
         out["locate"] = locate
         out["worker_rings"] = worker_rings
     with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
@@ -323,14 +323,14 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
             storer.register()
             out["register_s"] = round(time.perf_counter() - t, 3)
             out["placement"] = placement
-            if placement == "worker":
+            if placement == "engine":
                 from kvstrata.core.engine.registration_area import RegistrationArea
 
                 area = RegistrationArea(cache.layout, chunk_size=chunk)
                 # a connection of its own: the storer's shared-memory rings (server placement) must not carry
-                # the engine-executed worker's requests, which by default travel over ZMQ alone
+                # the engine-placement worker's requests, which by default travel over ZMQ alone
                 worker_client = CacheClient(srv.address, timeout=120.0, rings=rings)
-                worker = LayerwiseWorker(worker_client, 1, cache.layout, placement="worker", event_backend=backend,
+                worker = LayerwiseWorker(worker_client, 1, cache.layout, placement="engine", event_backend=backend,
                                          local_regions=cache.region_tensors(), registration_layout=area.layout,
                                          pool_writable=True, shm_rings=worker_rings)
                 t = time.perf_counter()
@@ -354,7 +354,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     reservation = worker.reserve_store(key)
                     worker.client.transport.wait(reservation)
                 t0 = time.perf_counter()
-                if placement == "worker":  # engine-executed: RESERVE_STORE, this process's copies, COMMIT_STORE
+                if placement == "engine":  # engine-placement: RESERVE_STORE, this process's copies, COMMIT_STORE
                     r = worker.store_to_pool(key, [src], reservation=reservation)
                     st = worker.last_store
                     store_steps.append({"reserve_ms": (st.reserved_at - st.started_at) * 1e3,
@@ -404,7 +404,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     rec = worker.records.pop(rid)
                     if rec.failure or rec.fallback:
                         raise RuntimeError(f"retrieve {rid} failed or fell back: {rec}")
-                    if placement == "worker" and rec.located_by != locate:
+                    if placement == "engine" and rec.located_by != locate:
                         raise RuntimeError(f"retrieve {rid} was located by {rec.located_by}, not {locate}")
                     if rnd == 0:
                         verified[width] = bool(cache.read(dst, 0, tokens).equal(truth))
@@ -441,7 +441,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
             store_steps.clear()
             store_ms = [store(prompt(), f"s{i}") for i in range(reps + 1)][1:]
             out["store_ms"] = stats(store_ms)
-            if store_steps:  # engine-executed: where the store's time went (the first, warm-up store left out)
+            if store_steps:  # engine-placement: where the store's time went (the first, warm-up store left out)
                 out["store_steps_ms"] = {k: stats([s[k] for s in store_steps[1:]]) for k in store_steps[0]}
                 store_steps.clear()
                 out["store_reserved_ahead_ms"] = stats([store(prompt(), f"a{i}", ahead=True) for i in range(reps)])
@@ -509,7 +509,7 @@ def measure_sglang_offload(tokens: int, chunk: int, reps: int, forward_ms: list[
     out: dict[str, Any] = {"engine_format": "sglang per-layer k_buffer/v_buffer", "page_size": SGLANG_PAGE,
                            "bytes": nbytes, "matmul_ms": round(mm_ms, 4), "by_forward_ms": {}}
     with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING") as srv:
-        settings = RuntimeSettings.from_mapping({"server_address": srv.address, "placement": "worker",
+        settings = RuntimeSettings.from_mapping({"server_address": srv.address, "placement": "engine",
                                                  "instance_id": 90}, where="benchmarks/transfer.py")
         runtime = WorkerRuntime(load_adapter(sglang_hooks, check_engine=False), settings, model="sglang-offload")
         runtime.register(kv)
@@ -582,11 +582,11 @@ def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
 
 
 ENGINE_EXECUTED_TARGETS = {"chunk_major_vs_raw": 1.05, "width1_first_layer_usable_ms": 1.5, "store_vs_raw": 1.10}
-"""Issue 19's transfer targets for the engine-executed placement (loads from the pool, and stores by
+"""Issue 19's transfer targets for the engine-placement placement (loads from the pool, and stores by
 RESERVE_STORE, this process's copies, COMMIT_STORE)."""
 
 
-def evaluate_engine_executed(raw: dict[str, Any], ee: dict[str, Any], server: dict[str, Any] | None) -> dict:
+def evaluate_engine_placement(raw: dict[str, Any], ee: dict[str, Any], server: dict[str, Any] | None) -> dict:
     h2d = raw["h2d_pinned_ms"]["median"]
     r = ee["retrieve"]
     cm = r["0"]["complete_ms"]["median"]
@@ -625,9 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
     p.add_argument("--skip", default="",
-                   help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-executed "
-                        "phase), locate_ab (only the engine-executed loads that ask RETRIEVE where the chunks are), "
-                        "rings_ab (only the engine-executed worker with shared-memory rings), sglang_offload "
+                   help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-placement "
+                        "phase), locate_ab (only the engine-placement loads that ask RETRIEVE where the chunks are), "
+                        "rings_ab (only the engine-placement worker with shared-memory rings), sglang_offload "
                         "(SGLang's offload path)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
@@ -676,15 +676,15 @@ def main(argv: list[str] | None = None) -> int:
             for name, cli, rings in variants:
                 phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, r=rings: measure_server(
                     m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, r)))
-    phases.append(("engine_executed", lambda: measure_server(modes[0], args.tokens, args.chunk, args.block_size,
-                                                               args.reps, widths, placement="worker")))
-    if "locate_ab" not in skip:  # the same engine-executed loads, each asking RETRIEVE where its chunks are
-        phases.append(("engine_executed_retrieve", lambda: measure_server(
-            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
+    phases.append(("engine_placement", lambda: measure_server(modes[0], args.tokens, args.chunk, args.block_size,
+                                                               args.reps, widths, placement="engine")))
+    if "locate_ab" not in skip:  # the same engine-placement loads, each asking RETRIEVE where its chunks are
+        phases.append(("engine_placement_retrieve", lambda: measure_server(
+            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="engine",
             locate="retrieve")))
-    if "rings_ab" not in skip:  # the same engine-executed loads and stores with the worker's rings attached
-        phases.append(("engine_executed_rings", lambda: measure_server(
-            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="worker",
+    if "rings_ab" not in skip:  # the same engine-placement loads and stores with the worker's rings attached
+        phases.append(("engine_placement_rings", lambda: measure_server(
+            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="engine",
             worker_rings=True)))
     if "sglang_offload" not in skip:  # SGLang's write-through: the reservation sent before the forward ends
         phases.append(("sglang_offload", lambda: measure_sglang_offload(
@@ -702,14 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     primary = f"server_{modes[0]}"
     if "raw" in result and primary in result:
         result["targets"] = evaluate(result["raw"], result[primary])
-    if "raw" in result and "engine_executed" in result:
-        result["engine_executed_targets"] = evaluate_engine_executed(result["raw"], result["engine_executed"],
+    if "raw" in result and "engine_placement" in result:
+        result["engine_placement_targets"] = evaluate_engine_placement(result["raw"], result["engine_placement"],
                                                                      result.get(primary))
         if "sglang_offload" in result:
             d2h = result["raw"]["d2h_pinned_ms"]["median"]
             for fms, row in result["sglang_offload"]["by_forward_ms"].items():
                 st = row["store_ms"]["median"]
-                result["engine_executed_targets"][f"store_sglang_offload_forward{fms}ms_vs_raw"] = {
+                result["engine_placement_targets"][f"store_sglang_offload_forward{fms}ms_vs_raw"] = {
                     "value": round(st / d2h, 4), "limit": ENGINE_EXECUTED_TARGETS["store_vs_raw"],
                     "met": bool(st / d2h <= ENGINE_EXECUTED_TARGETS["store_vs_raw"]),
                     "detail": f"SGLang's offload after a {fms} ms forward stand-in: from its wait's end to "
@@ -769,7 +769,7 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                     f"{c}: {v['retrieve_chunk_major_gpu_ms']:.2f}/{v['store_gather_gpu_ms']:.2f}"
                     for c, v in ip["cta_sweep"].items()))
     for name, sv in result.items():
-        if name.startswith("server_") or name.startswith("engine_executed") and "retrieve" in sv:
+        if name.startswith("server_") or name.startswith("engine_placement") and "retrieve" in sv:
             steps = sv.get("store_steps_ms")
             print(f"[{name}] store {sv['store_ms']['median']:.3f} ms"
                   + (" (RESERVE_STORE {:.3f}, copies {:.3f} of which enqueued in {:.3f}, COMMIT_STORE {:.3f})".format(
@@ -789,12 +789,12 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                          f"{r['first_slice_enqueued_ms']['median']:.3f}" if "located_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
-    ee = result.get("engine_executed")
+    ee = result.get("engine_placement")
     if ee:
-        print(f"[engine_executed] pool of {ee['pool_bytes'] >> 20} MiB registered for DMA in "
+        print(f"[engine_placement] pool of {ee['pool_bytes'] >> 20} MiB registered for DMA in "
               f"{ee['pool_dma_register_s']} s (worker registration {ee['worker_register_s']} s)")
-    for name, t in result.get("engine_executed_targets", {}).items():
-        print(f"engine-executed target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}"
+    for name, t in result.get("engine_placement_targets", {}).items():
+        print(f"engine-placement target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}"
               f"{' - ' + t['detail'] if 'detail' in t else ''}")
     so = result.get("sglang_offload")
     if so:

@@ -12,15 +12,15 @@ context are time-sliced against that compute. This benchmark runs the compute.
   process, plus 256, 1,024 or 2,048 new tokens computed on top of it.
 * Arms: ``resident`` (the KV is already in the cache: compute alone), chunk-major (width 0) and layer-major
   widths, each in both placements: ``server`` (the server process writes the cache over CUDA IPC) and
-  ``worker`` (engine-executed: this process copies from the server's pool with its own streams, through its
-  one transfer queue; ``worker-rr`` is the same with the queue's ``round_robin`` policy). A placement named
+  ``worker`` (engine-placement: this process copies from the server's pool with its own streams, through its
+  one transfer queue; ``engine-rr`` is the same with the queue's ``round_robin`` policy). A placement named
   with ``-norings`` (``server-norings``) is the same without the shared-memory rings and the GPU mailbox, one
   named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time). An
-  engine-executed load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
+  engine-placement load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
   named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
-  ``-ctasN`` (``worker-ctas33``) bounds the engine-executed scatter kernel to N thread blocks per launch (the
+  ``-ctasN`` (``worker-ctas33``) bounds the engine-placement scatter kernel to N thread blocks per launch (the
   default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
-  two); ``-aheadN`` (``worker-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
+  two); ``-aheadN`` (``engine-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
   landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``worker-handover1``)
   has its transfer queue, after a load's release, wait until the engine's layer waits took N of its slices
   before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``worker-priohigh``) runs its copy
@@ -61,11 +61,11 @@ ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
 RING_SUFFIXES = {"-norings": False, "-rings": True}
 """A placement ending in ``-norings`` (``server-norings``) runs with ``CacheClient(rings="none")``: no shared-memory
 request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. One ending in ``-rings``
-(``worker-rings``) attaches them where the placement would not (worker placement attaches none by default)."""
+(``worker-rings``) attaches them where the placement would not (engine placement attaches none by default)."""
 
 
 LOCATE_SUFFIX = "-retrieve"
-"""A worker placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
+"""A engine placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
 the LOOKUP's reply."""
 
 
@@ -109,7 +109,7 @@ def enqueue_ahead(placement: str) -> tuple[str, int | None]:
 
 
 PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
-"""An engine-executed placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
+"""An engine-placement placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
 (-1), one ending in ``-prio0`` at normal priority (0, the default since session 8's runs 6-7 measured it so)."""
 
 
@@ -119,17 +119,17 @@ def copy_priority(placement: str) -> tuple[str, int | None]:
 
 
 TWIN_SUFFIX = "-twin"
-"""An engine-executed placement ending in ``-twinN`` (``worker-twin2``) is its base's settings under another name:
+"""An engine-placement placement ending in ``-twinN`` (``worker-twin2``) is its base's settings under another name:
 identical arms, for the arm-to-arm spread's diagnosis."""
 
 
 def locates_by_lookup(placement: str) -> bool:
-    """Whether an engine-executed arm starts its loads from the LOOKUP's locations (see :data:`LOCATE_SUFFIX`)."""
+    """Whether an engine-placement arm starts its loads from the LOOKUP's locations (see :data:`LOCATE_SUFFIX`)."""
     base, _ = numbered_suffix(placement, TWIN_SUFFIX)
     return not base.startswith("server") and not base.endswith(LOCATE_SUFFIX)
 
 
-BASE_PLACEMENTS = ("server", "worker", "worker-rr")
+BASE_PLACEMENTS = ("server", "engine", "engine-rr")
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def arm_settings(placement: str) -> ArmSettings:
                          "-retrieve)")
     if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin) != (None,) * 6
                              or placement.endswith(LOCATE_SUFFIX)):
-        raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-executed arms only")
+        raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-placement arms only")
     return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead)
 
 
@@ -287,7 +287,7 @@ class ProbingBackend:
 
 
 class CopyProbe:
-    """Wraps an engine-executed copier's CUDA extension: while ``marks`` is set, each copy-engine copy and each
+    """Wraps an engine-placement copier's CUDA extension: while ``marks`` is set, each copy-engine copy and each
     scatter launch is bracketed by timing events on its own stream, so a run shows per slice when the copy stream
     started and finished a piece, and when the kernel stream had its staging filled and finished scattering it.
 
@@ -345,7 +345,7 @@ def copy_summary(copies: dict[str, list[tuple[float, float]]]) -> dict[str, Any]
 
 
 def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int) -> dict[str, Any]:
-    """``--probe-copies``: each engine-executed arm at width 1, ``reps`` times, with its copies bracketed."""
+    """``--probe-copies``: each engine-placement arm at width 1, ``reps`` times, with its copies bracketed."""
     out: dict[str, Any] = {}
     for placement, worker in rig.workers.items():
         e = copier_engine(worker)
@@ -364,7 +364,7 @@ def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int)
 
 
 def copier_engine(worker: Any) -> Any:
-    """An engine-executed arm's ``CudaTransferEngine`` (None for the server's arms, which copy in its process)."""
+    """An engine-placement arm's ``CudaTransferEngine`` (None for the server's arms, which copy in its process)."""
     copier = getattr(worker, "_copier", None)
     return None if copier is None else copier.engine
 
@@ -400,17 +400,17 @@ class FormatRig:
     backends: dict[str, ProbingBackend] = field(default_factory=dict)
     staging: list[Any] = field(default_factory=list)
     clients: list[Any] = field(default_factory=list)
-    """Connections of the engine-executed arms and of those without shared-memory rings (the server placement's
+    """Connections of the engine-placement arms and of those without shared-memory rings (the server placement's
     default arm uses the run's client, which stores the prompts)."""
     register_s: dict[str, float] = field(default_factory=dict)
     streams: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Engine-executed arms: their copier's kernel and copy streams (torch ``stream_id``) and where its copies
+    """Engine-placement arms: their copier's kernel and copy streams (torch ``stream_id``) and where its copies
     read and stage (:func:`note_copiers`), to relate an arm's speed under compute to what it got."""
 
 
 def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix: int, placements: list[str],
               chunk: int, instance_base: int, stream_pad: int = 0, prewarm_what: str = "none"):
-    """``stream_pad``: take that many more streams from torch's pool before each engine-executed arm's copier
+    """``stream_pad``: take that many more streams from torch's pool before each engine-placement arm's copier
     takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said).
     ``prewarm_what``: see :func:`prewarm` ("none" in every recorded run but where said)."""
     from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
@@ -449,8 +449,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
                 torch.cuda.Stream()
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
-            policy = "round_robin" if base == "worker-rr" else "earliest_released"
-            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="worker",
+            policy = "round_robin" if base == "engine-rr" else "earliest_released"
+            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="engine",
                                      event_backend=backend, local_regions=cache.region_tensors(),
                                      registration_layout=staging.layout, transfer_queue_policy=policy,
                                      shm_rings=rings, handover_slices=arm.handover or HANDOVER_SLICES,
@@ -465,11 +465,11 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
 
 
 def note_copiers(rig: FormatRig) -> None:
-    """Fill ``rig.streams`` for each engine-executed arm: its copier's streams and where its copies read and stage
+    """Fill ``rig.streams`` for each engine-placement arm: its copier's streams and where its copies read and stage
     (host and device addresses of the pool's mapping, its staging buffers and token tables), for the arm-to-arm
     spread's diagnosis. After the arms ran, so the staging buffers and tables exist."""
     for placement, w in rig.workers.items():
-        copier = getattr(w, "_copier", None)  # worker placement only: the server's arms copy in its process
+        copier = getattr(w, "_copier", None)  # engine placement only: the server's arms copy in its process
         if copier is None:
             continue
         e = copier.engine
@@ -600,7 +600,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         if any(r.located_by != wanted for r in recs):
             raise RuntimeError(f"arm {placement}: loads located by {[r.located_by for r in recs]}, not {wanted}")
         out["release_ms"] = [(r.released_at - t0) * 1e3 for r in recs]
-        if all(r.last_slice_at is not None for r in recs):  # engine-executed: when the queue enqueued the last slice
+        if all(r.last_slice_at is not None for r in recs):  # engine-placement: when the queue enqueued the last slice
             out["last_enqueued_ms"] = [(r.last_slice_at - t0) * 1e3 for r in recs]
         out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
     torch.cuda.synchronize()
@@ -652,25 +652,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", default="256,1024,2048", help="new tokens per request, concurrency 1")
     p.add_argument("--formats", default=",".join(ENGINE_FORMATS))
     p.add_argument("--widths", default="0,1,2,4,8", help="0 = chunk-major")
-    p.add_argument("--placements", default="server,worker,worker-rr")
+    p.add_argument("--placements", default="server,worker,engine-rr")
     p.add_argument("--concurrency", default="2,4,8")
     p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency-reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--pool-gib", type=float, default=32.0, help="the server's L1 pool (registered for DMA by each "
-                                                                "engine-executed worker: its cost is recorded)")
+                                                                "engine-placement worker: its cost is recorded)")
     p.add_argument("--stream-pad", type=int, default=0, help="diagnostic: pool streams taken before each "
-                   "engine-executed arm's copier (see build_rig)")
+                   "engine-placement arm's copier (see build_rig)")
     p.add_argument("--first-use", choices=("placements", "reversed"), default="placements",
                    help="diagnostic: the order the arms' first transfers (the byte checks) run in, which is the "
                         "order their lazily grown staging buffers and token tables are allocated in; the arms "
                         "are created in --placements order either way")
     p.add_argument("--prewarm", choices=("none", "tables", "staging", "both"), default="none",
-                   help="diagnostic: allocate each engine-executed arm's token table and/or staging buffers on its "
+                   help="diagnostic: allocate each engine-placement arm's token table and/or staging buffers on its "
                         "copier's kernel stream right after it registers, before any transfer")
     p.add_argument("--probe-copies", type=int, default=0, metavar="REPS",
-                   help="diagnostic: after each size's runs at one request, run every engine-executed arm at "
+                   help="diagnostic: after each size's runs at one request, run every engine-placement arm at "
                         "width 1 REPS more times with its copies and scatters bracketed by timing events")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  args.probe_copies)
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
-                                                for pl in placements if pl in ("server", "worker", "worker-ahead0")}
+                                                for pl in placements if pl in ("server", "engine", "engine-ahead0")}
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A/B on first-token time: engine-executed copies into SGLang's per-layer buffers written directly by the copy
+# A/B on first-token time: engine-placement copies into SGLang's per-layer buffers written directly by the copy
 # engine, against copies through staging buffers and the scatter kernel (vLLM's LBNHC as the control, which
 # always stages). Both arms force the choice for every CudaTransferConfig in the benchmark process (the
-# engine-executed side); the server process keeps its own default. Run on the GPU machine from the repository
+# engine-placement side); the server process keeps its own default. Run on the GPU machine from the repository
 # root (with the pyzmq wheel in .whl/): bash benchmarks/ttft_direct_copy_ab.sh; results in $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

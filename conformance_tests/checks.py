@@ -19,10 +19,10 @@ BLOCKED_FOR = 0.4
 
 def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, replied: bool = True) -> list:
     """The one RETRIEVE ``r`` put on the wire, checked item by item; returns its payload (``None`` for a
-    worker-placement load that its LOOKUP located, which sends none).
+    engine-placement load that its LOOKUP located, which sends none).
 
     ``expect_width`` is the width the load must run at (0: chunk-major); ``None`` skips the mode check. In
-    server placement the width travels in the RETRIEVE (with the arrival board); in worker placement the
+    server placement the width travels in the RETRIEVE (with the arrival board); in engine placement the
     engine side copies itself: it starts from where the LOOKUP found the chunks, or sends a RETRIEVE that
     only locates them (tail ``None, None, 0``), and the width is the one the runtime recorded for the load.
     ``replied`` also requires that the server accepted the RETRIEVE.
@@ -36,7 +36,7 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
         by_lookup = bool(started) and started[0].get("located_by") == "lookup"
         how = "its LOOKUP" if by_lookup else "RETRIEVE"
         require(len(sent) == (0 if by_lookup else 1), "retrieve-payload",
-                f"the worker-placement load of {r.request_id} was located by {how} and put {len(sent)} RETRIEVE "
+                f"the engine-placement load of {r.request_id} was located by {how} and put {len(sent)} RETRIEVE "
                 f"requests on the wire (expected {0 if by_lookup else 1})")
         if by_lookup:
             check_recorded_width(rig, r, expect_width)
@@ -55,7 +55,7 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
     tail = payload[5:]
     if rig.placement != PLACEMENT_SERVER:
         require(tail == [None, None, 0], "retrieve-payload",
-                f"a worker-placement RETRIEVE only locates the chunks and must end with (None, None, 0); it "
+                f"a engine-placement RETRIEVE only locates the chunks and must end with (None, None, 0); it "
                 f"ended with {tail!r}")
         check_recorded_width(rig, r, expect_width)
     elif expect_width == 0:
@@ -85,7 +85,7 @@ def check_wire_retrieve(rig: Rig, r: Retrieval, *, expect_width: int | None, rep
 
 
 def check_recorded_width(rig: Rig, r: Retrieval, expect_width: int | None) -> None:
-    """Worker placement: the width the engine side's record shows the load ran at is ``expect_width``."""
+    """Engine placement: the width the engine side's record shows the load ran at is ``expect_width``."""
     if expect_width is None:
         return
     asked = [e["layers_per_slice"] for e in rig.loads_started(r)]

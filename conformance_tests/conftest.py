@@ -105,7 +105,7 @@ def session_state() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def session_hold() -> Iterator[SliceHold]:
-    """The slice hold every server of the session runs with, installed in this process too (worker placement
+    """The slice hold every server of the session runs with, installed in this process too (engine placement
     copies here)."""
     hold = SliceHold(tempfile.mkdtemp(prefix="kvstrata-conformance-hold-"))
     hold.install()

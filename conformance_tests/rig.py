@@ -13,7 +13,7 @@ runtime recorded (its JSON-lines record).
 
 The server is a real ``kvstrata serve`` child with the test-only slice hold
 (:mod:`kvstrata.core.testing.slice_hold`) installed; the same hold is installed
-in this process for worker placement, where the engine side copies itself. The
+in this process for engine placement, where the engine side copies itself. The
 rig holds a chosen load after a chosen number of slices, lets it go on, or
 kills the server while it is held: that is how the suite catches a transfer in
 flight by construction.
@@ -244,7 +244,7 @@ class Rig:
                hold_after_slices: int | None = None) -> Retrieval:
         """A new request for a stored ``prompt``, into freshly cleared blocks, through the adapter's engine side.
 
-        ``hold_reply``: the proxy holds back the RETRIEVE's reply (in worker placement the copy then cannot
+        ``hold_reply``: the proxy holds back the RETRIEVE's reply (in engine placement the copy then cannot
         start: the reply says where the chunks are). ``hold_after_slices``: the transfer is held once that many
         slices are published (0: before the first) until :meth:`resume`.
         """

@@ -19,7 +19,7 @@ RULES: dict[str, str] = {
                  "with the server in the placement it was deployed with",
     "retrieve-payload": "every RETRIEVE on the wire has exactly the declared 8 items with the declared types; "
                         "chunk-major sends (None, None, 0) as the tail, layer-major the arrival board and the "
-                        "deployed width (worker placement: the load starts from where its LOOKUP found the chunks and "
+                        "deployed width (engine placement: the load starts from where its LOOKUP found the chunks and "
                         "sends no RETRIEVE, or its RETRIEVE's tail is (None, None, 0); the runtime records the "
                         "deployed width)",
     "early-release": "a layer-major request is released after its first slice, before its transfer completes, "

@@ -86,7 +86,7 @@ def test_server_killed_mid_transfer(make_rig: Callable[..., Rig], warning_log: l
     for layer in range(landed):
         rig.check_layer(r, layer, "(landed before the server died)")
     wait_bounded(rig, landed, what)  # fails the load
-    # worker placement: the engine side's own copy was held (the dead server's chunks stay mapped); it stops
+    # engine placement: the engine side's own copy was held (the dead server's chunks stay mapped); it stops
     # before its next slice, and only then is the engine told to recompute
     rig.resume(r)
     wait_reported(rig, r, SLACK, what)
@@ -103,7 +103,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
     prompt = rig.prompt()
     rig.store(prompt)
     mark = len(warning_log)
-    # worker placement: the engine side's own copy is held before its first slice, wherever it learnt where
+    # engine placement: the engine side's own copy is held before its first slice, wherever it learnt where
     # the chunks are (its LOOKUP, or a RETRIEVE)
     r = rig.submit(prompt, hold_after_slices=0)
     require(rig.wait_held(r), "retrieve-payload",
@@ -133,7 +133,7 @@ def test_server_dies_before_the_first_slice(make_rig: Callable[..., Rig], warnin
 
 def worker_copy_outlives_the_server(rig: Rig, r: Retrieval, prompt: list[int], what: str,
                                     warning_log: list[str], mark: int) -> None:
-    """Worker placement: the engine side copies from its own mapping of the pool, which the server's death
+    """Engine placement: the engine side copies from its own mapping of the pool, which the server's death
     does not take away. Once its held copy goes on, the load either lands byte-exact or (its retrieve timeout
     passed while it was held) is reported for recompute; it never hangs."""
     rig.resume(r)

@@ -54,7 +54,7 @@ def test_hybrid_cache_degrades_to_chunk_major_and_logs_once(make_rig: Callable[.
         require(rig.wait_released(r, 20), "fallback",
                 f"hybrid retrieve {i + 1} asked for layer-major was never released within 20s")
         payload = check_wire_retrieve(rig, r, expect_width=None, replied=False)
-        if payload is not None:  # None: a worker-placement load its LOOKUP located (its record says the width)
+        if payload is not None:  # None: a engine-placement load its LOOKUP located (its record says the width)
             require(payload[5:] == [None, None, 0], "fallback",
                     f"a layer-major retrieve into a hybrid cache must go out chunk-major, (None, None, 0) as the "
                     f"RETRIEVE tail; retrieve {i + 1} sent {payload[5:]!r}")
@@ -75,7 +75,7 @@ def test_hybrid_cache_degrades_to_chunk_major_and_logs_once(make_rig: Callable[.
 def test_exhausted_arrival_pool_degrades_and_recovers(make_rig: Callable[..., Rig], warning_log: list[str]) -> None:
     rig = make_rig(pool_slots=1)
     if rig.placement != PLACEMENT_SERVER:
-        pytest.skip("worker placement publishes progress in-process: it has no arrival pool to exhaust")
+        pytest.skip("engine placement publishes progress in-process: it has no arrival pool to exhaust")
     first, second = rig.prompt(), rig.prompt()
     rig.store(first)
     rig.store(second)

@@ -2,7 +2,7 @@
 
 The server is a real process; the suite catches the transfer in flight by
 holding the transfer after its first slice (the test-only slice hold, in the
-server or, for worker placement, in the engine side's process) and, in server
+server or, for engine placement, in the engine side's process) and, in server
 placement, the RETRIEVE reply at the proxy (so only the arrival board can tell
 the engine side anything). Then the landed layers must read correctly at
 once, the next layer's wait must block for as long as the server holds, and once

@@ -30,7 +30,7 @@ class CudaEventBackend:
     name = "cuda"
 
     def __init__(self, device: str | int | torch.device = "cuda", *, transfer_config: Any = None) -> None:
-        """``transfer_config``: the ``CudaTransferConfig`` of this process's own copies (worker placement);
+        """``transfer_config``: the ``CudaTransferConfig`` of this process's own copies (engine placement);
         None: ``CudaLocalCopier``'s default."""
         if not torch.cuda.is_available():
             raise RuntimeError("CudaEventBackend needs a CUDA device; torch.cuda.is_available() is False")
@@ -69,8 +69,8 @@ class CudaEventBackend:
         """Block until the engine's current stream has run what it queued (a STORE reads the cache next)."""
         torch.cuda.current_stream(self.index).synchronize()
 
-    def local_copier(self, layout: Any, regions: Any, pool: torch.Tensor, writable: bool = False) -> Any:
-        """Worker placement on this GPU: the engine's own copies (see ``CudaLocalCopier``)."""
+    def engine_copier(self, layout: Any, regions: Any, pool: torch.Tensor, writable: bool = False) -> Any:
+        """Engine placement on this GPU: the engine's own copies (see ``CudaLocalCopier``)."""
         from kvstrata.native.cuda_executor import CudaLocalCopier
 
         return CudaLocalCopier(layout, regions, pool, self.index, self.transfer_config, writable=writable)

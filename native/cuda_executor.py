@@ -858,7 +858,7 @@ class TorchCudaExecutor:
 
 
 class CudaLocalCopier:
-    """Engine-executed loads: this engine process copies from the server's L1 pool into its own CUDA cache.
+    """Engine-placement loads: this engine process copies from the server's L1 pool into its own CUDA cache.
 
     Built once per mapping of the pool (at registration): the pool, mapped read-only here, is registered for
     DMA then (``register_s`` says what that cost), and the copies run on this process's own streams in the
@@ -880,7 +880,7 @@ class CudaLocalCopier:
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
                  device_index: int, config: CudaTransferConfig | None = None, *, writable: bool = False) -> None:
-        """``writable``: the pool is mapped writable here and registered so, for engine-executed stores.
+        """``writable``: the pool is mapped writable here and registered so, for engine-placement stores.
 
         By default the copy engine always goes through staging buffers here, with the scatter kernel in the
         engine's context, also where the layout would let it write the cache directly (SGLang's per-layer
@@ -892,7 +892,7 @@ class CudaLocalCopier:
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
         self.register_s = time.perf_counter() - t0
-        log.info("engine-executed %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
+        log.info("engine-placement %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
                  "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,
                  "" if writable else " (read-only)", self.register_s)
 

@@ -1,7 +1,7 @@
 """An engine process for the adversarial tests: it takes every kind of server state, then waits to be told.
 
 ``python adversarial_engine.py ADDRESS INSTANCE SEED`` registers a reference-engine cache in server placement
-(rings and mailbox attached, an arrival board named by a layer-major RETRIEVE) and one in worker placement,
+(rings and mailbox attached, an arrival board named by a layer-major RETRIEVE) and one in engine placement,
 stores a prompt, and holds: the lookup locks of a second LOOKUP and a store reservation. It prints ``ready``
 and then obeys stdin, one command a line:
 
@@ -20,7 +20,7 @@ from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
@@ -38,7 +38,7 @@ def main(address: str, instance: int, seed: int) -> None:
     server_side = LayerwiseWorker(client, instance, engine.layout, pool_slots=2)
     server_side.register()  # attaches rings and the mailbox
     area = RegistrationArea(engine.layout, chunk_size=64)
-    worker_side = LayerwiseWorker(client, instance + 1, engine.layout, placement=PLACEMENT_WORKER,
+    worker_side = LayerwiseWorker(client, instance + 1, engine.layout, placement=PLACEMENT_ENGINE,
                                   local_regions=engine.regions, registration_layout=area.layout, pool_writable=True)
     worker_side.register()
     prompt = prompt_of(seed)

@@ -101,7 +101,7 @@ def test_rejects_slices_outside_the_layer_range():
 
 
 def test_the_transfer_side_waits_for_the_engine_to_take_the_release():
-    """What the worker placement's queue waits on (bounded) before it enqueues more slices: set only by the
+    """What the engine placement's queue waits on (bounded) before it enqueues more slices: set only by the
     engine side's mark_released, seen by the waiting thread."""
     g = LayerArrivalGate(4)
     assert not g.released and not g.wait_released(0.01)  # nobody took it: the bounded wait says so

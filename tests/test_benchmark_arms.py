@@ -16,19 +16,19 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
 @pytest.mark.parametrize("name,expected", [
     ("server", ttft.ArmSettings("server")),
     ("server-norings", ttft.ArmSettings("server", rings=False)),
-    ("worker", ttft.ArmSettings("worker")),
-    ("worker-rr", ttft.ArmSettings("worker-rr")),
-    ("worker-rings", ttft.ArmSettings("worker", rings=True)),
-    ("worker-bufs4", ttft.ArmSettings("worker", buffers=4)),
-    ("worker-ctas33", ttft.ArmSettings("worker", ctas=33)),
-    ("worker-priohigh", ttft.ArmSettings("worker", priority=-1)),
-    ("worker-prio0", ttft.ArmSettings("worker", priority=0)),
-    ("worker-handover1", ttft.ArmSettings("worker", handover=1)),
-    ("worker-handover1-prio0", ttft.ArmSettings("worker", priority=0, handover=1)),
-    ("worker-ahead0", ttft.ArmSettings("worker", ahead=0)),
-    ("worker-ahead256-prio0", ttft.ArmSettings("worker", priority=0, ahead=256)),
-    ("worker-norings-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
-     ttft.ArmSettings("worker", -1, 66, 3, False, 2, 64)),
+    ("engine", ttft.ArmSettings("engine")),
+    ("engine-rr", ttft.ArmSettings("engine-rr")),
+    ("engine-rings", ttft.ArmSettings("engine", rings=True)),
+    ("engine-bufs4", ttft.ArmSettings("engine", buffers=4)),
+    ("engine-ctas33", ttft.ArmSettings("engine", ctas=33)),
+    ("engine-priohigh", ttft.ArmSettings("engine", priority=-1)),
+    ("engine-prio0", ttft.ArmSettings("engine", priority=0)),
+    ("engine-handover1", ttft.ArmSettings("engine", handover=1)),
+    ("engine-handover1-prio0", ttft.ArmSettings("engine", priority=0, handover=1)),
+    ("engine-ahead0", ttft.ArmSettings("engine", ahead=0)),
+    ("engine-ahead256-prio0", ttft.ArmSettings("engine", priority=0, ahead=256)),
+    ("engine-norings-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
+     ttft.ArmSettings("engine", -1, 66, 3, False, 2, 64)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -36,15 +36,15 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
                                             and not name.endswith("-retrieve"))
 
 
-@pytest.mark.parametrize("name", ["worker-priohigh-bufs4", "wroker", "worker-bufs", "server-bufs4",
-                                  "server-retrieve", "worker-prio1", "server-handover1", "worker-bufs2-handover1",
-                                  "server-ahead0", "worker-bufs2-ahead0", "worker-handover1-ahead0"])
+@pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "engine-bufs", "server-bufs4",
+                                  "server-retrieve", "engine-prio1", "server-handover1", "engine-bufs2-handover1",
+                                  "server-ahead0", "engine-bufs2-ahead0", "engine-handover1-ahead0"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
 
 
 def test_an_arms_queue_bound_is_the_default_a_size_or_none() -> None:
-    assert ttft.arm_settings("worker").enqueue_ahead_bytes(384 << 20) == 384 << 20
-    assert ttft.arm_settings("worker-ahead64").enqueue_ahead_bytes(384 << 20) == 64 << 20
-    assert ttft.arm_settings("worker-ahead0").enqueue_ahead_bytes(384 << 20) is None
+    assert ttft.arm_settings("engine").enqueue_ahead_bytes(384 << 20) == 384 << 20
+    assert ttft.arm_settings("engine-ahead64").enqueue_ahead_bytes(384 << 20) == 64 << 20
+    assert ttft.arm_settings("engine-ahead0").enqueue_ahead_bytes(384 << 20) is None

@@ -30,3 +30,12 @@ def test_old_slice_width_names_still_work_with_a_deprecation_warning(old, caplog
     assert any(f"cfg.{old} is deprecated" in r.message and "layers_per_slice" in r.message for r in caplog.records)
     with pytest.raises(ValueError, match="not both"):
         RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", old: 4, "layers_per_slice": 2})
+
+
+def test_the_old_placement_name_worker_still_works_with_a_deprecation_warning(caplog):
+    from kvstrata.core.engine.settings import RuntimeSettings
+
+    caplog.set_level(logging.WARNING)
+    settings = RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", "placement": "worker"}, where="cfg")
+    assert settings.placement == "engine"
+    assert any("cfg.placement='worker' is deprecated" in r.message for r in caplog.records)

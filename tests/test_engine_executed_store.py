@@ -6,7 +6,7 @@ from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
@@ -20,7 +20,7 @@ def worker(client):
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     info = client.server_info()
     area = RegistrationArea(engine.layout, chunk_size=int(info["chunk_size"]))
-    w = LayerwiseWorker(client, 31, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    w = LayerwiseWorker(client, 31, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                         registration_layout=area.layout, pool_writable=True)
     w.register()
     yield w, engine
@@ -117,7 +117,7 @@ def test_reservations_are_refused_for_server_placement_and_other_connections(cli
 def test_unregistering_the_instance_drops_its_reservations(client):
     engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=int(client.server_info()["chunk_size"]))
-    w = LayerwiseWorker(client, 33, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    w = LayerwiseWorker(client, 33, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                         registration_layout=area.layout, pool_writable=True)
     try:
         w.register()
@@ -143,7 +143,7 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
     with ServerProcess(l1_bytes=2 * chunk_bytes, chunk_size=64, extra_args=["--max-reserved-fraction", "1"]) as small:
         client = CacheClient(small.address, timeout=20.0)
         area = RegistrationArea(engine.layout, chunk_size=64)
-        w = LayerwiseWorker(client, 34, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+        w = LayerwiseWorker(client, 34, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                             registration_layout=area.layout, pool_writable=True)
         try:
             w.register()
@@ -218,7 +218,7 @@ def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(ser
     from kvstrata.core.engine.worker_runtime import UNUSED_RESERVATION_STEPS, WorkerRuntime
     from kvstrata.core.store.keys import pack_tokens
 
-    settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, instance_id=720,
+    settings = RuntimeSettings(server.address, placement=PLACEMENT_ENGINE, instance_id=720,
                                record_path=str(tmp_path / "r.jsonl"))
     cache = reference.ReferenceCache(HarnessSpec(num_layers=4, num_blocks=48, block_size=16))
     runtime = WorkerRuntime(load_adapter("reference"), settings, model="ahead")

@@ -10,7 +10,7 @@ from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from helpers import SMALL_32, engine_loop, random_prompt, release_of, store_prompt
 
@@ -162,12 +162,12 @@ class _ResolvedRightAfterTheFirstLook(Future):
 
 
 def test_a_worker_placement_failure_is_reported_when_its_copy_stops_while_the_engine_looks(client, tmp_path):
-    """The layer wait fails a held worker-placement load; its report waits until the copy has stopped. The copy
+    """The layer wait fails a held engine-placement load; its report waits until the copy has stopped. The copy
     stopping just as the engine's poll looks at the load must not lose the report (it used to: the future was
     read twice, once to report and once to settle, and a copy that stopped in between settled unreported)."""
     tokens = 128
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-    worker = LayerwiseWorker(client, 12, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    worker = LayerwiseWorker(client, 12, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                              layer_wait_timeout=0.5, retrieve_timeout=NEVER)
     hold = SliceHold(tmp_path / "hold")
     hold.hold("stalled", after_slices=1)

@@ -154,7 +154,7 @@ class Fuzz:
             self.send(RequestType.REGISTER_KV_CACHE, [0, self.own_engine.layout.to_wire("server")])
 
     def descriptors(self) -> None:
-        d = self.own_engine.layout.to_wire(self.rng.choice(["server", "worker", "elsewhere"]))
+        d = self.own_engine.layout.to_wire(self.rng.choice(["server", "engine", "elsewhere"]))
         field = self.rng.choice(["block_stride", "token_stride", "head_stride", "num_blocks", "block_size",
                                  "num_heads", "head_bytes", "num_layers", "regions", "offsets", "dtype", "kv_size"])
         if field == "regions":

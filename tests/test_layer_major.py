@@ -7,7 +7,7 @@ import pytest
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
@@ -20,7 +20,7 @@ from helpers import (SMALL_32, engine_loop, lookup_into_fresh_blocks, random_pro
 WIDTHS = [1, 2, 3, 8, 32]
 
 
-@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_WORKER])
+@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_ENGINE])
 def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
     tokens = 160
     engine = ReferenceEngine(SMALL_32, num_blocks=(len(WIDTHS) + 2) * 10 + 4, block_size=16)
@@ -48,16 +48,16 @@ def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
         engine.close()
 
 
-@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_WORKER])
+@pytest.mark.parametrize("placement", [PLACEMENT_SERVER, PLACEMENT_ENGINE])
 def test_request_is_released_while_its_transfer_is_still_in_flight(placement, tmp_path):
     """The transfer is held after its first slice (test-only slice hold) until the test has seen the release,
     so "released before complete" holds by construction, whatever the machine's speed."""
     tokens = 256
     hold = SliceHold(tmp_path / "hold")
     hold.hold("big", after_slices=1)
-    # server placement: the server copies, so the hold is installed in its process; worker placement: here
+    # server placement: the server copies, so the hold is installed in its process; engine placement: here
     with ServerProcess(l1_bytes=64 << 20, chunk_size=64, slice_hold=hold if placement == PLACEMENT_SERVER
-                       else None) as srv, (hold.installed() if placement == PLACEMENT_WORKER
+                       else None) as srv, (hold.installed() if placement == PLACEMENT_ENGINE
                                            else contextlib.nullcontext()):
         client = CacheClient(srv.address)
         engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
@@ -168,14 +168,14 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
 
 
 def test_a_worker_placement_copy_stops_before_its_failure_is_reported(client, tmp_path):
-    """Worker placement: once a load has failed (here its layer wait timed out while the copy was held), the
+    """Engine placement: once a load has failed (here its layer wait timed out while the copy was held), the
     transfer queue enqueues no further slice of it, and the engine is told to recompute only once what was
     enqueued has run, so a recompute into those blocks cannot be overwritten."""
     tokens = 128
     hold = SliceHold(tmp_path / "hold")
     hold.hold("stall", after_slices=1)
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-    worker = LayerwiseWorker(client, 7, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    worker = LayerwiseWorker(client, 7, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                              layer_wait_timeout=0.3)
     try:
         with hold.installed():

@@ -97,7 +97,7 @@ def test_an_engine_ending_its_request_leaves_the_locks_of_another_engines_reques
 
 @contextlib.contextmanager
 def first_load_fails() -> Iterator[list[str]]:
-    """Make the first transfer this process copies fail before its first slice (worker placement: the copies run
+    """Make the first transfer this process copies fail before its first slice (engine placement: the copies run
     here), through the planner's test-only slice hook. Yields the names (lock owners) of the transfers failed."""
     failed: list[str] = []
 
@@ -186,7 +186,7 @@ def test_a_request_admitted_again_after_its_load_failed_is_loaded_again_and_leav
     """vLLM with ``kv_load_failure_policy: recompute``: a load that failed from its first block sends the request
     back to waiting with nothing computed, and vLLM asks the connector for it again. It must get a load (it
     waited for one forever before) whose data lands, and neither attempt's locks may stay behind."""
-    engine = Engine(server, "worker", instance_id=630)
+    engine = Engine(server, "engine", instance_id=630)
     try:
         prompt = list(range(2000, 2000 + 16 * BS))
         truth = engine.store("again-store", prompt)
@@ -244,7 +244,7 @@ def test_a_late_release_of_an_earlier_attempts_locks_leaves_the_new_attempts(ser
 
 
 def test_a_hit_admitted_again_before_its_load_was_handed_over_has_its_locks_freed_and_one_load(server: Any) -> None:
-    engine = Engine(server, "worker", instance_id=650)
+    engine = Engine(server, "engine", instance_id=650)
     try:
         prompt = list(range(6000, 6000 + 4 * BS))
         engine.store("unsent-store", prompt)

@@ -1,4 +1,4 @@
-"""Worker placement starts from where the LOOKUP found the chunks: no RETRIEVE round trip before the first copy.
+"""Engine placement starts from where the LOOKUP found the chunks: no RETRIEVE round trip before the first copy.
 
 The LOOKUP's reply says where its locked hit lies in the pool (``located``); the scheduler side carries that to
 the worker side in the load's metadata (:class:`ChunkLocations`), and the worker checks it against its own
@@ -19,7 +19,7 @@ from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from helpers import SMALL_32, engine_loop, random_prompt, store_prompt
 
@@ -40,7 +40,7 @@ def engine(client):
 @pytest.fixture
 def worker(client, engine):
     area = RegistrationArea(engine.layout, chunk_size=int(client.server_info()["chunk_size"]))
-    w = LayerwiseWorker(client, WORKER_ID, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    w = LayerwiseWorker(client, WORKER_ID, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                         registration_layout=area.layout)
     w.register()
     yield w
@@ -63,7 +63,7 @@ def test_a_lookup_says_where_its_locked_hit_lies_as_retrieve_would(client, engin
     assert located is not None and located.shape == engine.layout.shape_signature()
     assert [row[2] for row in located.objects] == [64, 64, 32]
     dst = engine.allocate(TOKENS)
-    retrieved = client.retrieve(key, WORKER_ID, [dst])  # the worker-placement RETRIEVE locates the same objects
+    retrieved = client.retrieve(key, WORKER_ID, [dst])  # the engine-placement RETRIEVE locates the same objects
     assert located.as_retrieve_reply() == {"pool": retrieved["pool"], "objects": retrieved["objects"]}
     client.free_lookup_locks("loc-1")
     engine.free(dst)
@@ -147,7 +147,7 @@ def test_a_location_outside_the_pool_fails_the_load_for_recompute_and_writes_not
 
 
 def served_retrieves(client) -> float:
-    """Tokens the server's RETRIEVEs reported (a worker-placement RETRIEVE counts the tokens it located)."""
+    """Tokens the server's RETRIEVEs reported (a engine-placement RETRIEVE counts the tokens it located)."""
     return client.server_info()["totals"]["retrieved_tokens"]
 
 

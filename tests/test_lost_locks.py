@@ -21,7 +21,7 @@ from kvstrata.core.server.cache_server import CacheServer
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.slice_hold import SliceHold
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
@@ -65,9 +65,9 @@ def held_load(server: CacheServer, tmp_path, placement: str, instance: int, seed
     src = engine.allocate(TOKENS)
     engine.prefill(prompt, src)
     assert client.store(CacheKey.for_tokens("src", prompt, model="m"), instance + 1, [src])["stored_tokens"] == TOKENS
-    if placement == PLACEMENT_WORKER:
+    if placement == PLACEMENT_ENGINE:
         area = RegistrationArea(engine.layout, chunk_size=64)
-        worker = LayerwiseWorker(client, instance, engine.layout, placement=PLACEMENT_WORKER,
+        worker = LayerwiseWorker(client, instance, engine.layout, placement=PLACEMENT_ENGINE,
                                  local_regions=engine.regions, registration_layout=area.layout)
     else:
         area = None
@@ -96,14 +96,14 @@ def held_load(server: CacheServer, tmp_path, placement: str, instance: int, seed
 
 
 def test_an_engine_copying_from_the_pool_fails_a_load_whose_objects_were_evicted_under_it(server, tmp_path):
-    engine, worker, prompt, dst, client, area = held_load(server, tmp_path, PLACEMENT_WORKER, 300, seed=1)
+    engine, worker, prompt, dst, client, area = held_load(server, tmp_path, PLACEMENT_ENGINE, 300, seed=1)
     try:
         failed = worker.take_failed()
         assert "lost" in failed, "the load must fail, not complete with what it copied"
         blocks, reason = failed["lost"]
         assert blocks == [dst] and "evicted while it copied" in reason
         wrong = engine.mismatched_layers(prompt, dst, 0, TOKENS)
-        print(f"\nworker placement, locks lost after slice 0: failed ({reason}); layers that are not the prompt's "
+        print(f"\nengine placement, locks lost after slice 0: failed ({reason}); layers that are not the prompt's "
               f"(recomputed by the engine): {len(wrong)} of {SMALL_32.num_layers}")
     finally:
         worker.close()

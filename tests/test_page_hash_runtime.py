@@ -2,7 +2,7 @@
 
 SGLang hands its cache linker per-page SHA-256 hashes, never token ids, so a ``StoreSpec`` / ``LoadSpec``
 may carry ``page_hashes`` instead of ``tokens``. Both placements are driven against a real server: the
-worker placement's staged STORE builds its window keys from the hashes, and a load by hashes puts back
+engine placement's staged STORE builds its window keys from the hashes, and a load by hashes puts back
 exactly the bytes that were stored.
 """
 
@@ -33,11 +33,11 @@ def chain(prompt: list[int]) -> tuple[str, ...]:
     return tuple(out)
 
 
-@pytest.mark.parametrize("placement", ["server", "worker"])
+@pytest.mark.parametrize("placement", ["server", "engine"])
 def test_a_prompt_stored_and_loaded_by_page_hashes_reads_back_its_bytes(server: Any, tmp_path: Any,
                                                                        placement: str) -> None:
     settings = RuntimeSettings(server.address, layers_per_slice=1, placement=placement,
-                               instance_id=700 + (placement == "worker"), record_path=str(tmp_path / "r.jsonl"))
+                               instance_id=700 + (placement == "engine"), record_path=str(tmp_path / "r.jsonl"))
     cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
     runtime = WorkerRuntime(load_adapter("reference"), settings, model="pages")
     try:

@@ -23,7 +23,7 @@ from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 LAYERS, BLOCKS, BS = 4, 48, 16
 PAGES = 6
@@ -70,7 +70,7 @@ def page_chain(prompt: list[int]) -> list[str]:
 def offloading(server: Any, tmp_path: Any, request: Any):
     """(loader, cache, gate) on a fresh runtime: a gate that fails when the test is parametrized so."""
     gate = ForwardGate(fail=getattr(request, "param", False))
-    settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, layers_per_slice=1,
+    settings = RuntimeSettings(server.address, placement=PLACEMENT_ENGINE, layers_per_slice=1,
                                instance_id=740 + int(gate.fail), record_path=str(tmp_path / "r.jsonl"))
     cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
     runtime = WorkerRuntime(load_adapter("reference"), settings, model=f"offload-{gate.fail}")
@@ -152,7 +152,7 @@ def test_closing_the_loader_unregisters_removes_its_segment_and_nothing_register
     """SGLang's shutdown closes the linker (``release_host_resources``; the linker's ``atexit`` hook as the last
     resort): the loader unregisters its instance and removes its registration area. A second close is a no-op,
     and SGLang's calls after it (its storage threads may still run at exit) never reach the server again."""
-    settings = RuntimeSettings(server.address, placement=PLACEMENT_WORKER, layers_per_slice=1, instance_id=750,
+    settings = RuntimeSettings(server.address, placement=PLACEMENT_ENGINE, layers_per_slice=1, instance_id=750,
                                record_path=str(tmp_path / "r.jsonl"))
     cache = reference.ReferenceCache(HarnessSpec(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS))
     try:

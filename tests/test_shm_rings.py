@@ -220,15 +220,15 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
     assert ring.segment.name not in os.listdir("/dev/shm"), "the client left its ring behind"
 
 
-def test_an_engine_executed_worker_attaches_no_rings_unless_asked(server):
-    """Worker placement leaves the rings off by default (they did not shorten first-token time there);
+def test_an_engine_placement_worker_attaches_no_rings_unless_asked(server):
+    """Engine placement leaves the rings off by default (they did not shorten first-token time there);
     ``shm_rings=True`` still attaches them, and server placement attaches them by default."""
     from kvstrata.core.engine.registration_area import RegistrationArea
-    from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+    from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
     engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=64)
-    worker_placement = {"placement": PLACEMENT_WORKER, "local_regions": engine.regions,
+    worker_placement = {"placement": PLACEMENT_ENGINE, "local_regions": engine.regions,
                         "registration_layout": area.layout}
     clients, workers = [], []
     try:

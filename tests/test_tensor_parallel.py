@@ -60,9 +60,9 @@ class Rank:
         self.cache.close()
 
 
-@pytest.fixture(params=["server", "worker"])
+@pytest.fixture(params=["server", "engine"])
 def tp(server: Any, tmp_path: Path, request: pytest.FixtureRequest):
-    """Worker placement: each rank copies from the pool itself, starting from where its own rank's LOOKUP found
+    """Engine placement: each rank copies from the pool itself, starting from where its own rank's LOOKUP found
     its shard's chunks (the scheduler carries every rank's locations in the load's metadata)."""
     settings = RuntimeSettings(server.address, layers_per_slice=1, instance_id=500, placement=request.param,
                                record_path=str(tmp_path / "record.jsonl"))
@@ -126,8 +126,8 @@ def test_a_hit_is_what_every_ranks_shard_has_and_each_rank_loads_its_own(tp) -> 
     events = list(read_record(str(record)))
     started = sorted((e["rank"], e["located_by"]) for e in events
                      if e["event"] == "load_started" and e["request_id"] == "tp-load")
-    located_by = "lookup" if ranks[0].runtime.placement == "worker" else None
-    assert started == [(0, located_by), (1, located_by)], "worker placement: no rank waits for a RETRIEVE"
+    located_by = "lookup" if ranks[0].runtime.placement == "engine" else None
+    assert started == [(0, located_by), (1, located_by)], "engine placement: no rank waits for a RETRIEVE"
     assert {e["instance_id"] for e in events if e["event"] == "registered"} == {500, 501}
 
 

@@ -40,6 +40,6 @@ def test_third_party_adapter_is_discovered_and_passes_the_suite(tmp_path: Path) 
     assert "kvstrata conformance: adapters selected: blockmajor" in out
     assert ("test_released_on_first_slice_and_every_layer_read_after_its_wait[blockmajor-server-placement] PASSED"
             in out)
-    # it declares server placement only: the worker-placement runs are skipped, saying why
-    assert "declares placements ('server',), not 'worker'" in out
+    # it declares server placement only: the engine-placement runs are skipped, saying why
+    assert "declares placements ('server',), not 'engine'" in out
     assert "CONFORMANCE RULE" not in out

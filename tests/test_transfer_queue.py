@@ -1,4 +1,4 @@
-"""The worker placement's one transfer queue: the policy decides the order of concurrent loads' slices."""
+"""The engine placement's one transfer queue: the policy decides the order of concurrent loads' slices."""
 
 import threading
 import time
@@ -13,7 +13,7 @@ from kvstrata.core.engine.transfer_queue import (POLICY_EARLIEST_RELEASED, POLIC
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.transfer import planner
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
 
@@ -65,7 +65,7 @@ def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, pol
     hold = SliceHold(tmp_path / "hold")
     hold.hold("first", after_slices=0)
     engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
-    worker = LayerwiseWorker(client, 11, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    worker = LayerwiseWorker(client, 11, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                              transfer_queue_policy=policy)
     enqueued: list[str] = []
     try:
@@ -152,7 +152,7 @@ class _GatedBackend(HostEventBackend):
             self.asked.notify_all()
         return event is None or event.is_set()
 
-    def local_copier(self, layout, regions, pool, writable=False):
+    def engine_copier(self, layout, regions, pool, writable=False):
         return _GatedCopier(layout, list(regions), pool, completions=self.completions, landing=self.landing)
 
     def wait_asked_about(self, event, after: int, timeout: float = 60.0) -> None:
@@ -162,14 +162,14 @@ class _GatedBackend(HostEventBackend):
 
 
 def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_layer_wait_hurries_it(client, tmp_path):
-    """Worker placement with a bound of three slices' bytes: three one-layer slices are enqueued, the fourth
+    """Engine placement with a bound of three slices' bytes: three one-layer slices are enqueued, the fourth
     only once the first has landed; then an engine's wait for a layer not enqueued yet makes the queue enqueue
     the rest at once, without waiting for more landings, and every layer lands byte-exact."""
     tokens = 64
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
     slice_bytes = engine.layout.kv_size * tokens * engine.layout.token_bytes_per_layer
     backend = _GatedBackend()
-    worker = LayerwiseWorker(client, 13, engine.layout, placement=PLACEMENT_WORKER, local_regions=engine.regions,
+    worker = LayerwiseWorker(client, 13, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
                              event_backend=backend, enqueue_ahead_bytes=3 * slice_bytes)
     published: list[int] = []
     previous_hook = planner._slice_hook

@@ -45,7 +45,7 @@ class ReferenceKVCache:
     block_size: int
     layer_groups: tuple[tuple[int, ...], ...]
     regions: tuple[torch.Tensor, ...]
-    """This process's views of the cache (worker placement copies through them)."""
+    """This process's views of the cache (engine placement copies through them)."""
 
 
 def layer_groups_for(num_layers: int, kv_groups: int) -> tuple[tuple[int, ...], ...]:

@@ -7,7 +7,7 @@ settings...}'``. SGLang constructs it as ``Cls(storage_config, kwargs)`` in each
 then hands it the host pool (``register_mem_pool_host``), and with ``interface_v1`` calls the zero-copy
 ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` with page-hash keys and host token indices.
 
-The host pool is registered with the kvstrata server through a ``WorkerRuntime`` (worker placement: this
+The host pool is registered with the kvstrata server through a ``WorkerRuntime`` (engine placement: this
 process copies between its host pool and the server's L1 pool). Its layout descriptor says which host layout
 wrote each page (``layer_first``, ``page_first`` or ``page_first_direct``): a STORE gathers a page through
 the writer's layout into kvstrata's layout-free ``[kv, layer, token, head, bytes]`` object, and a RETRIEVE

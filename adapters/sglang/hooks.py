@@ -5,7 +5,7 @@
 
 * its cache: per-layer ``[slots, heads, head_dim]`` K and V buffers (one plane for MLA), described by
   :mod:`.kv_layout`. SGLang allocates them in private memory (CPU) or its own CUDA context, so the worker
-  copies into them itself: worker placement only;
+  copies into them itself: engine placement only;
 * SGLang computes only what lies past its hit (the linker's hit is whole pages; SGLang keeps at least one
   token to compute), so every whole block is loadable: the default ``kvstrata_loadable_tokens``;
 * a failed load fails SGLang's layer counter, which aborts the request (SGLang 0.5.23 has no recompute
@@ -32,7 +32,7 @@ from kvstrata.core.adapter_api.types import (
     NotSupported,
 )
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from .kv_layout import SglangHostPool, SglangKVBuffers, describe_buffers, describe_host_pool
 
@@ -56,9 +56,9 @@ def describe(kv_caches: Any, placement: str) -> KVCacheDescription:
     else:
         raise TypeError(f"the SGLang adapter registers SglangKVBuffers or SglangHostPool, got "
                         f"{type(kv_caches).__name__}")
-    if placement != PLACEMENT_WORKER:
+    if placement != PLACEMENT_ENGINE:
         raise NotSupported("SGLang allocates its KV pools in private memory (CPU) or its own CUDA context, which "
-                           "the server cannot map: the worker copies (worker placement)")
+                           "the server cannot map: the worker copies (engine placement)")
     layout, regions = describe_one(kv_caches)
     return KVCacheDescription(layout, regions, str(kv_caches.device) if kv_caches.device.type == "cuda" else "cpu")
 
@@ -100,7 +100,7 @@ def kvstrata_adapter_info() -> AdapterInfo:
     return AdapterInfo(name=NAME, engine="SGLang", engine_package="sglang", pip_extra="sglang",
                        description="UnifiedCacheLinker with per-layer completion, and a HiCache storage backend "
                                    "(kvstrata.adapters.sglang)",
-                       placements=(PLACEMENT_WORKER,))
+                       placements=(PLACEMENT_ENGINE,))
 
 
 @hookimpl

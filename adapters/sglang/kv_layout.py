@@ -7,7 +7,7 @@ token slot ``s`` is block ``s // page_size`` and kvstrata moves whole pages. Slo
 padding page; the allocator never hands it out.
 
 The buffers live in the engine's private memory (CPU) or its CUDA context, and the worker copies into them
-itself (worker placement). :class:`SglangKVBuffers` is what the linker hands ``WorkerRuntime.register``;
+itself (engine placement). :class:`SglangKVBuffers` is what the linker hands ``WorkerRuntime.register``;
 it holds plain tensors, so the GPU tests build one without SGLang installed.
 """
 

@@ -6,7 +6,7 @@ loads right before the forward that reads them and returns a ``LayerWiseLoadCoun
 of layer ``l`` blocks in ``wait_until(l)`` until the layer's future resolves; ``finish_layer_wise_loading``
 after the forward says whether every layer landed (if not, SGLang aborts the batch's loading requests).
 
-:class:`LayerLoader` does all of that on the core's :class:`WorkerRuntime` (worker placement: the copy runs
+:class:`LayerLoader` does all of that on the core's :class:`WorkerRuntime` (engine placement: the copy runs
 in this process, one slice of layers at a time). One loader thread owns every runtime call: it starts a
 batch's retrieves, waits (bounded) until the runtime releases them on their first slice, then waits on each
 layer in turn with the runtime's own per-layer wait and ``complete``\\ s the layer in SGLang's counter only
@@ -314,7 +314,7 @@ class LayerLoader:
             with self._runtime_lock:
                 self.runtime.start_loads(batch.specs)
                 # Each load's record says at once when it failed; the runtime's failure *report* waits until a
-                # worker-placement copy has stopped, and a layer must not be completed meanwhile.
+                # engine-placement copy has stopped, and a layer must not be completed meanwhile.
                 transfers = self.runtime.transfers
                 records = {r: transfers.records.get(r) for r in rids} if transfers is not None else {}
                 released: set[str] = set()
@@ -342,7 +342,7 @@ class LayerLoader:
                     records: dict[str, Any]) -> dict[str, str]:
         """Return once every load of the batch has ``layer`` in place (empty dict), or their failures.
 
-        The runtime's layer wait covers the loads it has released (first slice landed). In worker placement
+        The runtime's layer wait covers the loads it has released (first slice landed). In engine placement
         the copies of one batch run one after another, so a later load is released only once the earlier
         ones have moved on: the wait is made again whenever more of the batch was released, and the layer
         is done when a wait made after the last release returned. Bounded by ``retrieve_timeout`` for the

@@ -6,7 +6,7 @@ from the installed package or, where it is absent, from :mod:`.harness.standin` 
 plugin :mod:`.harness.pytest_standin`). The driver builds one scheduler and one worker, as TensorRT-LLM
 does on rank 0, and hands the worker a pool in TensorRT-LLM's format ``[blocks, layers, 2,
 heads*tokens*head]``, in shared memory so the server placement can be checked too (TensorRT-LLM's own pool
-is GPU memory: worker placement). The driver matches asynchronously (``async_load: true``): that is the
+is GPU memory: engine placement). The driver matches asynchronously (``async_load: true``): that is the
 path where TensorRT-LLM waits for ``get_finished`` to report a load, which the suite's release checks need;
 the synchronous path is driven by the harness tests (``tests/trtllm``).
 

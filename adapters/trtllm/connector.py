@@ -236,7 +236,7 @@ class KvstrataWorker(_WorkerBase):
         return meta
 
     def start_load_kv(self, stream: Any) -> None:
-        """Before the forward: reserve this iteration's stores' objects (worker placement: the round trip runs
+        """Before the forward: reserve this iteration's stores' objects (engine placement: the round trip runs
         during the forward) and start its loads, after what ``stream`` already has queued.
 
         The blocks may still be read by the previous iteration's forward (the overlap loop enqueues this
@@ -301,7 +301,7 @@ class KvstrataWorker(_WorkerBase):
         self.runtime.store(stores)  # connected already (wait_for_save checked): this thread never connects
 
     def _failing(self, engine_ids: list[Any]) -> dict[Any, str]:
-        """Loads of these requests that failed but are not reported yet: an engine-executed copy that a layer
+        """Loads of these requests that failed but are not reported yet: an engine-placement copy that a layer
         wait gave up on is reported only once it has stopped, and this batch must fail now all the same."""
         transfers = self.runtime.transfers
         if transfers is None:

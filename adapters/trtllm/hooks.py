@@ -5,7 +5,7 @@ onto the core's engine runtime; these hooks are where TensorRT-LLM differs from 
 
 * its cache: one pool ``[num_blocks, num_layers, kv_factor, block_size_elems]`` (HND in a block), moved
   as whole blocks (:mod:`.kv_layout`). On a GPU the pool is ``cudaMalloc``'ed by TensorRT-LLM outside
-  torch's caching allocator, so torch cannot export it by CUDA IPC: the engine-executed ``worker``
+  torch's caching allocator, so torch cannot export it by CUDA IPC: the engine-placement ``worker``
   placement (this process copies from the server's pool, registered for DMA) needs no export and is the
   GPU placement; ``server`` is refused there by name. On CPU the server placement works only for a pool in
   shared memory (the conformance driver's); TensorRT-LLM itself does not run on CPU;
@@ -29,7 +29,7 @@ from kvstrata.core.adapter_api.types import (
 )
 from kvstrata.core.adapter_api.defaults import whole_blocks_before_the_last_token
 from kvstrata.core.arrival.events import EventBackend
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, Region
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, Region
 
 from .kv_layout import TrtllmKvPool, byte_view, pool_layout
 
@@ -43,12 +43,12 @@ def describe(pool: Any, placement: str) -> KVCacheDescription:
                         f"tokens_per_block), got {type(pool).__name__}")
     flat = byte_view(pool)
     device = pool.tensor.device
-    if placement == PLACEMENT_WORKER:
+    if placement == PLACEMENT_ENGINE:
         layout = pool_layout(pool, Region("local", flat.numel()))
         return KVCacheDescription(layout, [flat], str(device) if device.type == "cuda" else "cpu")
     if device.type == "cuda":
         raise NotSupported("TensorRT-LLM allocates its KV pool with cudaMalloc outside torch's caching allocator, "
-                           "so torch's CUDA IPC export refuses it; use the engine-executed worker placement")
+                           "so torch's CUDA IPC export refuses it; use the engine-placement engine placement")
     if pool.segment_name is None:
         raise NotSupported("this CPU pool is private memory, which the server cannot map")
     return KVCacheDescription(pool_layout(pool, Region("shm", flat.numel(), pool.segment_name)), [flat])
@@ -62,7 +62,7 @@ def kvstrata_adapter_info() -> AdapterInfo:
                                     "kvstrata has no extra for it, see examples/trtllm/README.md",
                        description="KvCacheConnectorScheduler/Worker for TensorRT-LLM 1.2.x "
                                    "(kvstrata.adapters.trtllm)",
-                       placements=(PLACEMENT_SERVER, PLACEMENT_WORKER))
+                       placements=(PLACEMENT_SERVER, PLACEMENT_ENGINE))
 
 
 @hookimpl

@@ -10,7 +10,7 @@ role, as vLLM does in its scheduler and worker processes, and calls them in the
 order vLLM's scheduler and model runner do. The block table stands in for
 vLLM's KV cache manager (the connector only reads ``get_block_ids`` from it).
 The cache is in vLLM's CPU format, in shared memory so the server placement
-can be checked too (a real vLLM CPU cache is private memory: worker placement).
+can be checked too (a real vLLM CPU cache is private memory: engine placement).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ class KvstrataConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker, every step before the forward: start this step's loads, and reserve the objects of the
-        stores ``wait_for_save`` will make (worker placement: that round trip then runs during the forward)."""
+        stores ``wait_for_save`` will make (engine placement: that round trip then runs during the forward)."""
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KvstrataMetadata):
             raise TypeError(f"kvstrata's connector got {type(connector_metadata).__name__} metadata")

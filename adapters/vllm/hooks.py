@@ -6,7 +6,7 @@ runtime calls them:
 
 * its cache: one tensor per layer, ``[blocks, kv_heads, block_size, 2*head]``
   views of one buffer. On CPU the pages move whole as opaque bytes and the
-  cache is private memory (worker placement), unless it lives in shared memory
+  cache is private memory (engine placement), unless it lives in shared memory
   (the conformance driver's, :class:`SharedVllmKVCaches`: server placement too);
   on CUDA the server maps it by CUDA IPC (server placement);
 * vLLM recomputes the last prompt token, so the block holding it is never loaded;
@@ -28,7 +28,7 @@ from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
 from kvstrata.core.adapter_api.defaults import whole_blocks_before_the_last_token
 from kvstrata.core.arrival.events import EventBackend
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout, Region
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout, Region
 
 from .kv_layout import cpu_page_layout, cuda_layout
 
@@ -52,7 +52,7 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
         layout, buffer = cuda_layout(kv_caches, export=placement == PLACEMENT_SERVER)
         return KVCacheDescription(layout, [buffer], str(first.device))
     layout, regions = cpu_page_layout(kv_caches)
-    if placement == PLACEMENT_WORKER:
+    if placement == PLACEMENT_ENGINE:
         return KVCacheDescription(layout, regions)
     if not isinstance(kv_caches, SharedVllmKVCaches):
         raise NotSupported("vLLM allocates its CPU cache in private memory, which the server cannot map")
@@ -67,7 +67,7 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
 def kvstrata_adapter_info() -> AdapterInfo:
     return AdapterInfo(name=NAME, engine="vLLM", engine_package="vllm", pip_extra="vllm",
                        description="KVConnectorBase_V1 with first-slice release (kvstrata.adapters.vllm)",
-                       placements=(PLACEMENT_SERVER, PLACEMENT_WORKER))
+                       placements=(PLACEMENT_SERVER, PLACEMENT_ENGINE))
 
 
 @hookimpl

@@ -9,7 +9,7 @@ of one shared buffer.
   ranges. kvstrata therefore moves whole (layer, block) pages as opaque bytes:
   the layout has one plane, one "head" and rows of ``page_bytes / block_size``
   bytes, and every copy covers whole blocks. The cache is private memory, so
-  this is the worker placement.
+  this is the engine placement.
 * CUDA: per-token addressing is real (LBNHC or LBHNC, read from the strides), the
   server maps the buffer by CUDA IPC and writes it itself (server placement).
 """
@@ -77,7 +77,7 @@ def cuda_layout(kv_caches: dict[str, torch.Tensor], *, export: bool = True) -> t
     """The per-token layout of a CUDA cache and its one buffer (a flat uint8 tensor over the shared storage).
 
     ``export``: the region is exported by CUDA IPC for the server to open (server placement); without it the
-    region is this process's own (engine-executed loads: no IPC export needed).
+    region is this process's own (engine-placement loads: no IPC export needed).
     """
     layers = ordered_layers(kv_caches)
     first = layers[0][1]

@@ -72,7 +72,7 @@ def kvstrata_adapter_info() -> "AdapterInfo":
 
 @hookspec(firstresult=True)
 def kvstrata_describe_kv_cache(kv_caches: Any, placement: str) -> "KVCacheDescription":
-    """Describe the engine's paged KV cache for ``placement`` (``"server"`` or ``"worker"``).
+    """Describe the engine's paged KV cache for ``placement`` (``"server"`` or ``"engine"``).
 
     Called by :meth:`kvstrata.core.engine.worker_runtime.WorkerRuntime.register`,
     on the worker side, once, when the engine hands over its allocated cache

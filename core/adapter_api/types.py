@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from kvstrata.core.engine.settings import RuntimeSettings
     from kvstrata.core.engine.worker_runtime import WorkerRuntime
 
-PLACEMENTS = (PLACEMENT_SERVER, PLACEMENT_WORKER)
+PLACEMENTS = (PLACEMENT_SERVER, PLACEMENT_ENGINE)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class KVCacheDescription:
 
     ``layout`` is what the server is told (its regions must be ones the server
     can open for server placement: shared memory or CUDA IPC). ``local_regions``
-    are this process's tensors over the same cache, which worker placement
+    are this process's tensors over the same cache, which engine placement
     copies into (and STOREs gather from). ``device`` is ``cpu`` or ``cuda:N``.
     """
 

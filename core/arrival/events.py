@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class LocalCopier(Protocol):
-    """Worker placement: this process copies from the server's L1 pool (mapped read-only) into its cache."""
+    """Engine placement: this process copies from the server's L1 pool (mapped read-only) into its cache."""
 
     def executor(self, spans: Sequence[tuple[int, int]]) -> "Executor":
         """An executor for one retrieve's objects, given as (byte offset in the pool, tokens) as the server
@@ -64,9 +64,9 @@ class EventBackend(Protocol):
     def wait_for_engine_writes(self) -> None:
         """Block until what the engine has queued so far has written its cache (a STORE is about to read it)."""
 
-    def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
+    def engine_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
                      pool: "torch.Tensor", writable: bool = False) -> LocalCopier:
-        """Worker placement, once per mapping of the server's pool (at registration): the copies into
+        """Engine placement, once per mapping of the server's pool (at registration): the copies into
         ``regions`` (this process's cache) from ``pool``, and with ``writable`` (stores) back into it; on a GPU
         this is where the pool is registered for DMA."""
 
@@ -90,7 +90,7 @@ class HostEventBackend:
     def wait_for_engine_writes(self) -> None:
         return None  # a CPU engine's forward has returned, so its writes are done
 
-    def local_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
+    def engine_copier(self, layout: "PagedKVLayout", regions: Sequence["torch.Tensor"],
                      pool: "torch.Tensor", writable: bool = False) -> LocalCopier:
         return HostCopier(layout, list(regions), pool)
 

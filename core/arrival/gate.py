@@ -149,7 +149,7 @@ class LayerArrivalGate:
 
         ``refresh`` is called while waiting for a source that must be polled (the
         cross-process board); ``on_missing`` each time the layer is found not recorded
-        yet, before waiting (worker placement: the transfer queue is told to enqueue it
+        yet, before waiting (engine placement: the transfer queue is told to enqueue it
         now). Returns True if a completion was handed over, False if this slice was
         already waited on. Raises TransferFailed or LayerWaitTimeout; never blocks
         longer than ``timeout``.

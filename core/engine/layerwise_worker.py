@@ -13,7 +13,7 @@ Engine-agnostic: adapters translate their engine's calls into these four.
 * :meth:`LayerwiseWorker.take_failed` hands the engine the blocks to recompute.
 
 Two placements share the gate. Server placement: the server writes into the
-engine's cache and publishes progress on the arrival board. Worker placement:
+engine's cache and publishes progress on the arrival board. Engine placement:
 the server only locks and locates the chunks; this process maps the L1 pool
 (read-only, or writable when it stores: :meth:`LayerwiseWorker.store_to_pool`)
 and runs the same planner itself through its one transfer queue
@@ -44,7 +44,7 @@ from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
                                                  QueuedLoad, TransferQueue)
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, PagedKVLayout
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout
 from kvstrata.core.shm import Segment
 
 log = logging.getLogger(__name__)
@@ -65,23 +65,23 @@ class RetrieveRecord:
     failure: str | None = None
     fallback: str | None = None
     located_by: str | None = None
-    """Worker placement: ``lookup`` (the LOOKUP's reply said where the chunks are) or ``retrieve``."""
+    """Engine placement: ``lookup`` (the LOOKUP's reply said where the chunks are) or ``retrieve``."""
     replied_at: float | None = None
-    """Worker placement: when the RETRIEVE's reply was resolved, by whichever thread read it (at submit when
+    """Engine placement: when the RETRIEVE's reply was resolved, by whichever thread read it (at submit when
     the LOOKUP located the chunks)."""
     located_at: float | None = None
-    """Worker placement: when the transfer thread had the chunks' locations."""
+    """Engine placement: when the transfer thread had the chunks' locations."""
     planned_at: float | None = None
-    """Worker placement: when the load was planned (its copies and slices), right before its first slice."""
+    """Engine placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
-    """Worker placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
+    """Engine placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
     last_slice_at: float | None = None
-    """Worker placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
+    """Engine placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
 
 
 @dataclass
 class StoreRecord:
-    """When the steps of this process's last worker-placement STORE ended (``time.perf_counter()``), for
+    """When the steps of this process's last engine-placement STORE ended (``time.perf_counter()``), for
     benchmarks and logs: where a store's time goes beyond its copies."""
 
     request_id: str
@@ -134,20 +134,20 @@ class LayerwiseWorker:
                  shm_rings: bool | None = None, transfer_queue_policy: str = POLICY_EARLIEST_RELEASED,
                  pool_writable: bool = False, handover_slices: int = HANDOVER_SLICES,
                  enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
-        """Worker placement: ``handover_slices``, how many of a released load's slices the engine waits on before
+        """Engine placement: ``handover_slices``, how many of a released load's slices the engine waits on before
         the transfer queue enqueues more (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`);
         ``enqueue_ahead_bytes``, how far it enqueues ahead of the copies that landed
         (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`; None: every slice at once, the A/B
         arm)."""
-        if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
-            raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}")
-        if placement == PLACEMENT_WORKER and local_regions is None:
-            raise ValueError("worker placement needs local_regions: the engine cache this process writes")
+        if placement not in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
+            raise ValueError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_ENGINE!r}")
+        if placement == PLACEMENT_ENGINE and local_regions is None:
+            raise ValueError("engine placement needs local_regions: the engine cache this process writes")
         self.client = client
         self.instance_id = instance_id
         self.layout = layout
         self.registration_layout = registration_layout or layout
-        """What the server is told: the engine cache itself, or (worker placement) a
+        """What the server is told: the engine cache itself, or (engine placement) a
         ``RegistrationArea``; either way it must share ``layout``'s shape signature."""
         if self.registration_layout.shape_signature() != layout.shape_signature():
             raise ValueError("registration_layout must hold the same (kv, layers, heads, head_bytes) as layout")
@@ -165,7 +165,7 @@ class LayerwiseWorker:
         self._registration_lost = False
         self.records: dict[str, RetrieveRecord] = {}
         self.last_store: StoreRecord | None = None
-        """Worker placement: the steps of the last :meth:`store_to_pool`."""
+        """Engine placement: the steps of the last :meth:`store_to_pool`."""
         self._lock = threading.RLock()
         self._l1_pool: Segment | None = None
         self._generation_segment: Segment | None = None
@@ -179,17 +179,17 @@ class LayerwiseWorker:
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
                                     handover_slices=handover_slices,
                                     enqueue_ahead_bytes=enqueue_ahead_bytes) \
-            if placement == PLACEMENT_WORKER else None
+            if placement == PLACEMENT_ENGINE else None
         self.pool_writable = pool_writable
-        """Worker placement: map the server's pool writable too, so this process STOREs by copying into
+        """Engine placement: map the server's pool writable too, so this process STOREs by copying into
         objects the server reserved (:meth:`store_to_pool`); otherwise it is mapped read-only."""
         self.shm_rings = placement == PLACEMENT_SERVER if shm_rings is None else shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
         sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake). By
         default only in server placement. With the engine computing (``benchmarks/ttft.py``'s ``-norings``
-        arms on an H200, ``benchmarks/results/h200-2026-12-02-session7``), engine-executed loads were no
+        arms on an H200, ``benchmarks/results/h200-2026-12-02-session7``), engine-placement loads were no
         faster with them at one request and about 5% slower at four, in two runs; on an idle GPU they made
-        the engine-executed RETRIEVE's round trip 0.3 ms shorter, which first-token time did not show. Once
+        the engine-placement RETRIEVE's round trip 0.3 ms shorter, which first-token time did not show. Once
         loads started from their LOOKUP's locations (no RETRIEVE), the A/B ran again on two VMs
         (``h200-2026-12-02-session8``, runs 4 and 5): one favoured the rings, the other was faster without
         them in 10 of 12 cells, so the default stays; they shortened a store by 0.1-0.2 ms."""
@@ -209,7 +209,7 @@ class LayerwiseWorker:
     def register(self) -> dict[str, Any]:
         reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.placement)
         self.chunk_size = int(reply["chunk_size"])
-        if self.placement == PLACEMENT_WORKER and reply.get("pool"):
+        if self.placement == PLACEMENT_ENGINE and reply.get("pool"):
             self._map_l1_pool(reply["pool"])  # and register it for DMA on a GPU: once, off the request path
         if self.shm_rings:
             self.client.transport.attach_rings()
@@ -226,7 +226,7 @@ class LayerwiseWorker:
 
         ``running``: the engine computes this request in the step the load starts (a synchronous match, as
         TensorRT-LLM's ``(n, False)``), so layer waits cover it from the start and it is never handed back.
-        ``located``: worker placement, where the LOOKUP found ``key``'s chunks; the load then starts copying
+        ``located``: engine placement, where the LOOKUP found ``key``'s chunks; the load then starts copying
         without a RETRIEVE round trip (ignored in server placement, where the server copies).
         """
         blocks = [list(map(int, g)) for g in block_ids]
@@ -238,7 +238,7 @@ class LayerwiseWorker:
             if reason is not None:
                 planner.log_fallback_once(reason)
                 record.fallback, width = reason, 0
-        if self.placement == PLACEMENT_WORKER:
+        if self.placement == PLACEMENT_ENGINE:
             # Where the chunks lie comes with the LOOKUP, or from a RETRIEVE sent from this (the engine's) thread:
             # the queue's thread only waits for the answer.
             try:
@@ -271,7 +271,7 @@ class LayerwiseWorker:
 
     def _locate(self, key: CacheKey, blocks: list[list[int]], skip: int, located: ChunkLocations | None,
                 record: RetrieveRecord) -> Future:
-        """Worker placement: where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its
+        """Engine placement: where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its
         objects fit this cache, else from a RETRIEVE (sent now, from the engine's thread)."""
         if located is not None:
             if located.shape == self.layout.shape_signature() and located.num_tokens == key.num_tokens:
@@ -308,7 +308,7 @@ class LayerwiseWorker:
             inf.gate.record_slice(start, count, inf.slot.events[start])
             inf._board_seen = start + count
 
-    # --- worker placement ------------------------------------------------------------
+    # --- engine placement ------------------------------------------------------------
 
     def _map_l1_pool(self, pool: dict[str, Any]) -> torch.Tensor:
         with self._pool_lock:  # the transfer queue's thread and a storing thread may both ask first
@@ -322,7 +322,7 @@ class LayerwiseWorker:
                 tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
             if self._copier is not None:
                 self._copier.close()  # the server restarted with a new pool
-            self._copier = self._event_backend.local_copier(self.layout, self.local_regions, tensor,
+            self._copier = self._event_backend.engine_copier(self.layout, self.local_regions, tensor,
                                                             writable=self.pool_writable)
             if self._l1_pool is not None:
                 self._l1_pool.close()
@@ -330,11 +330,11 @@ class LayerwiseWorker:
         return self._l1_tensor
 
     def reserve_store(self, key: CacheKey, skip_first_n_tokens: int = 0) -> Future:
-        """Worker placement, before the forward that computes ``key``'s blocks: send RESERVE_STORE now, so its
+        """Engine placement, before the forward that computes ``key``'s blocks: send RESERVE_STORE now, so its
         round trip runs while the engine computes. Returns at once; pass the future to :meth:`store_to_pool`
         (``reservation=``), or to :meth:`drop_reservation` if the store will not happen."""
-        if self.placement != PLACEMENT_WORKER or not self.pool_writable:
-            raise RuntimeError("reserve_store needs worker placement with pool_writable=True")
+        if self.placement != PLACEMENT_ENGINE or not self.pool_writable:
+            raise RuntimeError("reserve_store needs engine placement with pool_writable=True")
         return self.client.reserve_store_async(key, self.instance_id, skip_first_n_tokens)
 
     def drop_reservation(self, reservation: Future) -> None:
@@ -347,7 +347,7 @@ class LayerwiseWorker:
 
     def store_to_pool(self, key: CacheKey, block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int = 0, *,
                       reservation: Future | None = None) -> dict[str, Any]:
-        """Worker placement STORE: RESERVE_STORE the chunks not stored yet (unless ``reservation``, from
+        """Engine placement STORE: RESERVE_STORE the chunks not stored yet (unless ``reservation``, from
         :meth:`reserve_store` for the same key and skip, already asked), copy the blocks into those objects
         with this process's copier, then COMMIT_STORE once the copies have landed (or drop the reservation if
         they failed: a half-written object is never committed).
@@ -355,8 +355,8 @@ class LayerwiseWorker:
         Blocks the calling thread until the copies have run. On a GPU they run on this process's copy
         streams after the work the engine has queued so far; the engine's own stream never waits for them.
         """
-        if self.placement != PLACEMENT_WORKER or not self.pool_writable:
-            raise RuntimeError("store_to_pool needs worker placement with pool_writable=True")
+        if self.placement != PLACEMENT_ENGINE or not self.pool_writable:
+            raise RuntimeError("store_to_pool needs engine placement with pool_writable=True")
         blocks = [list(map(int, g)) for g in block_ids]
         try:
             self.layout.check_block_ids(blocks, key.num_tokens)
@@ -498,7 +498,7 @@ class LayerwiseWorker:
         inf.record.failure = reason
         inf.gate.fail(reason)
         blocks = sum(len(g) for g in inf.block_ids)
-        if self.placement == PLACEMENT_WORKER and not inf.future.done():
+        if self.placement == PLACEMENT_ENGINE and not inf.future.done():
             # This process's copy may be writing a slice: it stops before the next one (the gate failed), and
             # only then may the engine recompute into those blocks, so the report waits for it (see _collect).
             inf.report_pending = True

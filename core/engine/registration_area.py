@@ -1,6 +1,6 @@
-"""What a worker-placement instance registers: a small shared-memory area with the cache's geometry.
+"""What a engine-placement instance registers: a small shared-memory area with the cache's geometry.
 
-In worker placement the engine process does every copy itself (loads from the server's pool, stores into
+In engine placement the engine process does every copy itself (loads from the server's pool, stores into
 objects the server reserved), so the server never opens the engine's cache; an engine's cache may even be
 memory the server could not map (vLLM on CPU allocates it as private memory; TensorRT-LLM's pool is not
 exportable through torch). REGISTER_KV_CACHE still describes a cache the server can open and check, so the

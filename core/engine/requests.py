@@ -42,7 +42,7 @@ class PromptRequest:
 class ChunkLocations:
     """Where a LOOKUP's locked hit lies in the server's L1 pool (its reply's ``located``).
 
-    An engine that copies from the pool itself (worker placement) starts its load from these instead of
+    An engine that copies from the pool itself (engine placement) starts its load from these instead of
     asking RETRIEVE where the chunks are: the lookup locks keep them in place until the worker frees them
     after its copy, and the round trip leaves the path to the first slice. The worker still checks the shape
     against its own cache and every span against the pool it maps.
@@ -101,7 +101,7 @@ class ChunkLocations:
         return located.only_on_rank(rank, world_size) if located is not None else None
 
     def as_retrieve_reply(self) -> dict[str, Any]:
-        """The part of a worker-placement RETRIEVE reply these stand for: the pool and the objects."""
+        """The part of a engine-placement RETRIEVE reply these stand for: the pool and the objects."""
         return {"pool": {"name": self.pool_name, "size": self.pool_size,
                          "generations": {"name": self.generations_name, "slots": self.generations_slots}},
                 "objects": [list(o) for o in self.objects]}
@@ -124,7 +124,7 @@ class LoadSpec:
     empty: the key is then :meth:`CacheKey.for_page_hashes`."""
     page_size: int = 0
     located: tuple[ChunkLocations | None, ...] | None = None
-    """Per rank, where the LOOKUP found this load's chunks (worker placement copies from there without a
+    """Per rank, where the LOOKUP found this load's chunks (engine placement copies from there without a
     RETRIEVE); ``None`` for a rank, or for all, whose load must ask RETRIEVE."""
     attempt: int = 0
     """Which lookup of the request this load belongs to (its locks' owner is :func:`lock_owner` of it): 0

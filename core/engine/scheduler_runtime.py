@@ -13,7 +13,7 @@ key; a hit is what every rank's shard has (the smallest of the ranks' hits).
 Lookup locks are released on every path: a hit the engine will not use, a
 request that finishes before its load was planned, a lookup that timed out
 (FREE_LOOKUP_LOCKS). Once a load is planned, the worker side owns its locks (the
-RETRIEVE, or FREE_LOOKUP_LOCKS after a worker-placement copy), so a chunk is
+RETRIEVE, or FREE_LOOKUP_LOCKS after a engine-placement copy), so a chunk is
 never unpinned under a copy in flight.
 
 A request the engine admits again (vLLM re-admits one whose load failed, or

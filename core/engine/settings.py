@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ class RuntimeSettings:
     turning kvstrata on never changes an engine's CUDA graph mode by itself."""
     placement: str = PLACEMENT_AUTO
     """Who runs the copies: ``server`` (the server writes the engine's cache: shared memory or CUDA
-    IPC), ``worker`` (this process copies between its cache and the server's L1 pool) or ``auto``:
-    worker placement for a GPU cache (faster under the engine's compute, see benchmarks/ttft.py), server
-    placement for a CPU cache the server can open, worker placement otherwise."""
+    IPC), ``engine`` (this process copies between its cache and the server's L1 pool) or ``auto``:
+    engine placement for a GPU cache (faster under the engine's compute, see benchmarks/ttft.py), server
+    placement for a CPU cache the server can open, engine placement otherwise."""
     model_name: str | None = None
     lookup_timeout: float = 2.0
     layer_wait_timeout: float = 10.0
@@ -105,7 +105,7 @@ class RuntimeSettings:
     record_path: str | None = None
     """A JSON-lines record of loads, releases, per-layer waits, failures and stores (operators, tests)."""
     transfer_queue_policy: str = "earliest_released"
-    """Worker placement: the order in which the slices of concurrent loads are enqueued
+    """Engine placement: the order in which the slices of concurrent loads are enqueued
     (``earliest_released``: one load after another; ``round_robin``: one slice of each in turn)."""
     curve_server_key: str | None = None
     """The server's public key file (``NAME.key``), to connect with CURVE: a server on tcp:// requires it,
@@ -145,9 +145,12 @@ class RuntimeSettings:
         values["layers_per_slice"] = resolve_layers_per_slice(values.get("layers_per_slice"),
                                                               setting=f"{where}.layers_per_slice")
         placement = values.get("placement", PLACEMENT_AUTO)
-        if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_WORKER):
+        if placement == "worker":
+            log.warning("%s.placement='worker' is deprecated: it is now called %r", where, PLACEMENT_ENGINE)
+            placement = values["placement"] = PLACEMENT_ENGINE
+        if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_ENGINE):
             raise ValueError(f"{where}.placement must be {PLACEMENT_AUTO!r}, {PLACEMENT_SERVER!r} or "
-                             f"{PLACEMENT_WORKER!r}, got {placement!r}")
+                             f"{PLACEMENT_ENGINE!r}, got {placement!r}")
         from kvstrata.core.engine.transfer_queue import POLICIES
 
         policy = values.get("transfer_queue_policy", POLICIES[0])

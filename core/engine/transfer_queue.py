@@ -1,6 +1,6 @@
-"""Worker placement: this engine process's one transfer queue for its loads.
+"""Engine placement: this engine process's one transfer queue for its loads.
 
-In the worker (engine-executed) placement the server only locks and locates the
+In the worker (engine-placement) placement the server only locks and locates the
 chunks; this process copies them from the server's L1 pool into its own cache.
 Every load of the process goes through one :class:`TransferQueue`, so the order
 in which the slices of concurrent loads reach the copy engine is a decision, made
@@ -80,7 +80,7 @@ oldest has landed (waiting without the GIL in between; an engine's :meth:`Transf
 
 
 class TransferAborted(RuntimeError):
-    """A worker-placement copy stopped between slices because its load had already failed."""
+    """A engine-placement copy stopped between slices because its load had already failed."""
 
 
 class SourceEvicted(RuntimeError):

@@ -5,7 +5,7 @@ rank), called from the engine's model-runner thread:
 
 * :meth:`register` once, when the engine has allocated its cache;
 * :meth:`start_loads` every step, with the loads the scheduler side planned,
-  and :meth:`reserve_stores` with the stores it planned (worker placement
+  and :meth:`reserve_stores` with the stores it planned (engine placement
   reserves their objects while the forward runs);
 * :meth:`wait_for_layer` right before the engine's attention reads a layer;
 * :meth:`poll` every step after the forward: which requests go back to the
@@ -39,7 +39,7 @@ from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
@@ -91,7 +91,7 @@ class WorkerRuntime:
         self._refused: str | None = None
         """Why the server refused to register the cache (its error message), while it does."""
         self._reservations: dict[str, _AheadReservation] = {}
-        """Worker placement: RESERVE_STOREs sent ahead of their stores (:meth:`reserve_stores`), by request id."""
+        """Engine placement: RESERVE_STOREs sent ahead of their stores (:meth:`reserve_stores`), by request id."""
         self._reservations_lock = threading.Lock()  # the engine's thread reserves, a store thread may store
         self._reserve_steps = 0
         self.stats = StatsAccumulator()
@@ -115,19 +115,19 @@ class WorkerRuntime:
                 raise ValueError(f"placement {wanted!r}: adapter {self.adapter.name!r} supports {supported}")
             return wanted, self.adapter.describe_kv_cache(kv_caches, wanted)
         reasons = []
-        if PLACEMENT_WORKER in supported:
+        if PLACEMENT_ENGINE in supported:
             # A GPU cache: the engine's own copies, which its compute does not time-slice the way a server
             # process's kernels are (benchmarks/ttft.py). A CPU cache: the server's copies, if it can open it.
             try:
-                described = self.adapter.describe_kv_cache(kv_caches, PLACEMENT_WORKER)
+                described = self.adapter.describe_kv_cache(kv_caches, PLACEMENT_ENGINE)
             except NotSupported as exc:
-                reasons.append(f"{PLACEMENT_WORKER}: {exc}")
+                reasons.append(f"{PLACEMENT_ENGINE}: {exc}")
             else:
                 if described.device.startswith("cuda"):
                     log.info("kvstrata placement worker (placement auto: a %s cache is loaded and stored by "
                              "this process's own copies)", described.device)
-                    return PLACEMENT_WORKER, described
-        for placement in (PLACEMENT_SERVER, PLACEMENT_WORKER):
+                    return PLACEMENT_ENGINE, described
+        for placement in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
             if placement not in supported:
                 continue
             try:
@@ -163,14 +163,14 @@ class WorkerRuntime:
         transfers = None
         try:
             registration = None
-            if self.placement == PLACEMENT_WORKER:
+            if self.placement == PLACEMENT_ENGINE:
                 info = self.client.transport.call(RequestType.SERVER_INFO, [], timeout=s.lookup_timeout)
                 self.registration_area = self.registration_area or RegistrationArea(
                     d.layout, chunk_size=int(info["chunk_size"]))
                 registration = self.registration_area.layout
             transfers = LayerwiseWorker(
                 self.client, self.instance_id, d.layout, placement=self.placement, event_backend=self.event_backend,
-                local_regions=list(d.local_regions) if self.placement == PLACEMENT_WORKER else None,
+                local_regions=list(d.local_regions) if self.placement == PLACEMENT_ENGINE else None,
                 registration_layout=registration, pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
                 retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy,
                 pool_writable=s.store)
@@ -365,7 +365,7 @@ class WorkerRuntime:
     # --- stores ------------------------------------------------------------------------
 
     def reserve_stores(self, stores: Iterable[StoreSpec]) -> None:
-        """Before the forward that computes these prompts: in worker placement, send their RESERVE_STOREs now
+        """Before the forward that computes these prompts: in engine placement, send their RESERVE_STOREs now
         and return at once, so the round trip runs during the forward and :meth:`store` only copies and
         commits. Elsewhere (server placement, not connected yet) nothing: :meth:`store` does it all.
 
@@ -374,7 +374,7 @@ class WorkerRuntime:
         locked in the server's pool, so a reservation no store used is given back: when the same request
         reserves again, once :data:`UNUSED_RESERVATION_STEPS` more steps have reserved (a forward that
         raised, say), and at :meth:`close`. One a store has taken is never given back under it."""
-        if self.placement != PLACEMENT_WORKER or self.transfers is None or not self.settings.store:
+        if self.placement != PLACEMENT_ENGINE or self.transfers is None or not self.settings.store:
             return
         self._reserve_steps += 1
         step = self._reserve_steps
@@ -415,7 +415,7 @@ class WorkerRuntime:
         stores = list(stores)
         if not stores or not self._connect():
             return
-        if self.placement != PLACEMENT_WORKER:  # worker placement orders its copies after them itself
+        if self.placement != PLACEMENT_ENGINE:  # engine placement orders its copies after them itself
             self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
         for spec in stores:
             with self._reservations_lock:
@@ -446,7 +446,7 @@ class WorkerRuntime:
 
     def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
         """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""
-        if self.placement == PLACEMENT_WORKER:
+        if self.placement == PLACEMENT_ENGINE:
             key, reservation = (ahead.key, ahead.reply) if ahead is not None else (self._shard_key(spec), None)
             return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip,
                                                 reservation=reservation)

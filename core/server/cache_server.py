@@ -22,7 +22,7 @@ from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.board import ArrivalBoard, pack
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_WORKER, LayoutError, PagedKVLayout
+from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, LayoutError, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.server.connections import Connection, ConnectionLimits
 from kvstrata.core.server.metrics import ServerMetrics
@@ -64,7 +64,7 @@ class ServerConfig:
 
 @dataclass
 class _Reservation:
-    """L1 objects an engine copies a prompt's chunks into itself (worker placement); uncommitted until it says
+    """L1 objects an engine copies a prompt's chunks into itself (engine placement); uncommitted until it says
     the copies landed, so no LOOKUP sees them and no eviction frees them meanwhile."""
 
     instance_id: int
@@ -275,8 +275,8 @@ class CacheServer:
             raise InstanceTaken(f"instance {instance_id} is registered by another connection, which is still "
                                 "connected; register this cache under another instance id")
         placement = descriptor.get("placement") if isinstance(descriptor, dict) else None
-        if placement not in (PLACEMENT_SERVER, PLACEMENT_WORKER):
-            raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_WORKER!r}, got {placement!r}")
+        if placement not in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
+            raise LayoutError(f"placement must be {PLACEMENT_SERVER!r} or {PLACEMENT_ENGINE!r}, got {placement!r}")
         layout = PagedKVLayout.from_wire(descriptor)
         target = open_target(layout, self.store.pool, pool_segment=self.store.segment, openers=self.target_openers)
         with self._lock:
@@ -382,7 +382,7 @@ class CacheServer:
                        "use or free them")
 
     def _locations(self, objects: list[StoredObject]) -> dict[str, Any] | None:
-        """Where a LOOKUP's locked hit lies in the pool, for an engine that copies it itself (worker placement).
+        """Where a LOOKUP's locked hit lies in the pool, for an engine that copies it itself (engine placement).
 
         The locks keep these objects in place until FREE_LOOKUP_LOCKS (or their holder's lease ends), so an engine that has
         this needs no RETRIEVE round trip before its first copy. ``None`` when the objects do not share one
@@ -514,7 +514,7 @@ class CacheServer:
             yield obj, start, count, obj is None and self.store.is_pending(digest)
 
     def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
-        """Worker placement: reserve objects for the key's chunks that are not stored yet; the engine copies
+        """Engine placement: reserve objects for the key's chunks that are not stored yet; the engine copies
         into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
         ck = self._key(key)
         n = ck.num_tokens
@@ -522,9 +522,9 @@ class CacheServer:
         conn = self._connection(caller)
         inst = self._acquire(instance_id)
         try:
-            if inst.placement != PLACEMENT_WORKER:
+            if inst.placement != PLACEMENT_ENGINE:
                 raise RequestError(f"instance {instance_id} is registered in {inst.placement} placement: the "
-                                   "server gathers its STOREs itself; RESERVE_STORE is for worker placement")
+                                   "server gathers its STOREs itself; RESERVE_STORE is for engine placement")
             if not 0 <= skip_first_n_tokens <= n:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's "
                                    "tokens)")
@@ -640,7 +640,7 @@ class CacheServer:
                 raise RequestError(f"layers_per_slice must be >= 0 (0: chunk-major), got {layers_per_slice}")
             if arrival_board is not None:
                 board = self._board(arrival_board)
-            if inst.placement == PLACEMENT_WORKER:
+            if inst.placement == PLACEMENT_ENGINE:
                 # the worker copies now; its FREE_LOOKUP_LOCKS unpins
                 return self._retrieve_for_worker(ck, inst, block_ids, skip_first_n_tokens)
             plan = self._plan_retrieve(ck, inst, block_ids, skip_first_n_tokens, board, event_handle,
@@ -722,7 +722,7 @@ class CacheServer:
 
     def _retrieve_for_worker(self, ck: CacheKey, inst: _Instance, block_ids: list[list[int]],
                              skip: int) -> dict[str, Any]:
-        """Worker placement: hand back where the objects are; the locks stay until FREE_LOOKUP_LOCKS."""
+        """Engine placement: hand back where the objects are; the locks stay until FREE_LOOKUP_LOCKS."""
         # block_ids name the worker's own cache, which only the worker can check
         objects = self._locked_objects(ck, inst.layout)
         return {"retrieved_tokens": max(ck.num_tokens - skip, 0), "layers_per_slice": 0, "fallback": None,

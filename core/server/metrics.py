@@ -31,9 +31,9 @@ COUNTERS = {
     "lookup_miss_tokens": "Tokens LOOKUPs asked for and did not find",
     "stored_bytes": "KV bytes STOREd into L1 (chunks already held are skipped)",
     "stored_tokens": "Tokens STOREd into L1",
-    "retrieved_bytes": "KV bytes RETRIEVEd into engine caches (worker-placement loads located by their LOOKUP "
+    "retrieved_bytes": "KV bytes RETRIEVEd into engine caches (engine-placement loads located by their LOOKUP "
                        "send no RETRIEVE: the engine's own stats count them)",
-    "retrieved_tokens": "Tokens RETRIEVEd into engine caches (not worker-placement loads located by their LOOKUP)",
+    "retrieved_tokens": "Tokens RETRIEVEd into engine caches (not engine-placement loads located by their LOOKUP)",
 }
 HISTOGRAMS = {"retrieve_seconds": "RETRIEVE time in the server, to its reply",
               "store_seconds": "STORE time in the server, to its reply"}
@@ -155,7 +155,7 @@ class ServerMetrics:
             key = args[0]
             asked = len(key["tokens"]) // 8 or len(key.get("page_hashes") or ()) * int(key.get("page_size", 0))
             self._add(lookup_hit_tokens=hit, lookup_miss_tokens=max(asked - hit, 0))
-        elif rt == RequestType.COMMIT_STORE:  # an engine-executed STORE: counted once its copies landed
+        elif rt == RequestType.COMMIT_STORE:  # an engine-placement STORE: counted once its copies landed
             self._add(stored_tokens=int(value["stored_tokens"]), stored_bytes=int(value["stored_bytes"]))
         elif rt in (RequestType.STORE, RequestType.RETRIEVE):
             what = "stored" if rt == RequestType.STORE else "retrieved"

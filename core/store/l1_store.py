@@ -8,7 +8,7 @@ locks, never the bytes' meaning beyond the shape signature.
 
 Locks: LOOKUP read-locks the chunks it reports for a *lock owner* (a request of
 one engine rank), so they cannot be evicted or moved between LOOKUP and RETRIEVE,
-or, in worker placement, until the engine's own copy from the offsets the LOOKUP
+or, in engine placement, until the engine's own copy from the offsets the LOOKUP
 reported is done. RETRIEVE (server placement) and FREE_LOOKUP_LOCKS release them.
 Each owner is held by one connection (its *holder*, the server's
 :class:`~kvstrata.core.server.connections.Connection`); the server checks who may

@@ -9,7 +9,7 @@ stops after a chosen number of slices (the planner's test-only slice hook) and
 goes on only when the test opens it, typically once it has seen the release.
 
 A hold is a private directory that the test and the copying process share, so
-the same hold works in this process (worker placement), in a ``kvstrata serve``
+the same hold works in this process (engine placement), in a ``kvstrata serve``
 child (server placement) and in an engine's spawned processes:
 
 * ``rules.json``: what to hold, written by the test (``SliceHold.hold``);

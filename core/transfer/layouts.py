@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 PLACEMENT_SERVER = "server"
 """The server writes into the engine's cache (shared memory on CPU, CUDA IPC on GPU)."""
-PLACEMENT_WORKER = "worker"
+PLACEMENT_ENGINE = "engine"
 """The engine's worker runs the plan itself, reading the server's L1 pool read-only."""
 
 DTYPE_SIZES = {
@@ -42,7 +42,7 @@ class Region:
     kind ``shm``: a POSIX shared-memory segment ``name`` of ``size`` bytes.
     kind ``cuda_ipc``: a CUDA allocation exported by the engine; ``handle`` holds
     the exported fields (see ``kvstrata.native.cuda_ipc``).
-    kind ``local``: memory only the registering process can see (worker placement).
+    kind ``local``: memory only the registering process can see (engine placement).
     """
 
     kind: str

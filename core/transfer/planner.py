@@ -128,7 +128,7 @@ def enqueue_slice(executor: Executor, job: TransferJob, layers_per_slice: int, i
                   request_id: str = "") -> None:
     """Hand the executor slice ``index`` of ``layer_slices(num_layers, layers_per_slice)``.
 
-    For callers that interleave the slices of several transfers (the worker placement's queue); the caller
+    For callers that interleave the slices of several transfers (the engine placement's queue); the caller
     records the slice's completion and then calls :func:`slice_published`. ``layers_per_slice == 0`` is the
     chunk-major path: one all-layer launch.
     """

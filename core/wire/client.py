@@ -89,7 +89,7 @@ class CacheClient:
         return self.transport.wait(self.store_async(key, instance_id, block_ids, skip_first_n_tokens, event_handle))
 
     def reserve_store(self, key: CacheKey, instance_id: int, skip_first_n_tokens: int = 0) -> dict[str, Any]:
-        """Worker placement: reserve L1 objects for ``key``'s chunks not stored yet (see RESERVE_STORE)."""
+        """Engine placement: reserve L1 objects for ``key``'s chunks not stored yet (see RESERVE_STORE)."""
         return self.transport.wait(self.reserve_store_async(key, instance_id, skip_first_n_tokens))
 
     def reserve_store_async(self, key: CacheKey, instance_id: int, skip_first_n_tokens: int = 0) -> Future:
@@ -97,7 +97,7 @@ class CacheClient:
         return self.transport.submit(RequestType.RESERVE_STORE, [key.to_wire(), instance_id, skip_first_n_tokens])
 
     def commit_store(self, reservation: int, landed: bool) -> dict[str, Any]:
-        """Worker placement: commit a reservation whose copies landed, or drop one whose copies failed."""
+        """Engine placement: commit a reservation whose copies landed, or drop one whose copies failed."""
         return self.transport.wait(self.transport.submit(RequestType.COMMIT_STORE, [reservation, landed]))
 
     def retrieve_async(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,

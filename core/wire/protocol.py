@@ -34,9 +34,9 @@ class RequestType(enum.IntEnum):
     ATTACH_RINGS = 9
     """Served by the transport itself, not by a registered handler: see :data:`TRANSPORT_REQUESTS`."""
     RESERVE_STORE = 10
-    """Worker placement: reserve L1 objects for a prompt's chunks; the engine copies into them itself."""
+    """Engine placement: reserve L1 objects for a prompt's chunks; the engine copies into them itself."""
     COMMIT_STORE = 11
-    """Worker placement: the engine's copies into a reservation have landed (commit) or never will (drop)."""
+    """Engine placement: the engine's copies into a reservation have landed (commit) or never will (drop)."""
 
 
 TRANSPORT_REQUESTS = frozenset({RequestType.ATTACH_RINGS})

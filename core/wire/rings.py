@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 SLOT_HEADER_BYTES = 16
 REPLY_SLOTS, REPLY_SLOT_BYTES = 64, 1024
-"""Transfer and lookup replies are under 200 bytes; a worker-placement retrieve's object list may not fit,
+"""Transfer and lookup replies are under 200 bytes; a engine-placement retrieve's object list may not fit,
 and travels over ZMQ only."""
 REQUEST_SLOTS, REQUEST_SLOT_BYTES = 4, 1 << 20
 """A RETRIEVE carries its prompt's token ids, 8 bytes each: up to about 120k tokens fit a slot."""

@@ -1,4 +1,4 @@
-"""Engine-executed loads and stores on a GPU (worker placement): the engine process copies between the
+"""Engine-placement loads and stores on a GPU (engine placement): the engine process copies between the
 server's L1 pool and its own cache.
 
 The engine maps the server's pool and registers it for DMA once, at registration; a STORE copies into
@@ -64,11 +64,11 @@ def read_all(layers: dict[str, torch.Tensor], blocks: list[int]) -> dict[str, to
 def engine(gpu_server, tmp_path_factory):
     buf, layers = vllm_gpu_cache("LBNHC")
     buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
-    record = tmp_path_factory.mktemp("engine-executed") / "record.jsonl"
+    record = tmp_path_factory.mktemp("engine-placement") / "record.jsonl"
     settings = RuntimeSettings.from_mapping({
         "server_address": gpu_server.address, "layers_per_slice": 1, "record_path": str(record),
-        "instance_id": 60, "placement": "worker"}, where="kv_connector_extra_config")
-    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
+        "instance_id": 60, "placement": "engine"}, where="kv_connector_extra_config")
+    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-placement")
     side.register(layers)
     n = N_BLOCKS * BS
     tokens = [random.Random(5).randrange(1, 30000) for _ in range(n)]
@@ -104,14 +104,14 @@ def test_the_prompt_was_stored_by_the_engines_own_copies(engine, gpu_server) -> 
 
 def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_server) -> None:
     side, layers, tokens, _, _ = engine
-    assert side.connected and side.placement == "worker"
+    assert side.connected and side.placement == "engine"
     assert {r.kind for r in side.layout.regions} == {"local"}, side.layout.regions
     copier = side.transfers._copier
     assert type(copier).__name__ == "CudaLocalCopier" and copier.register_s > 0
     print(f"\nL1 pool ({copier.engine.pool.numel() >> 20} MiB) registered for DMA in {copier.register_s:.3f} s")
     probe = CacheClient(gpu_server.address)
     try:
-        key = CacheKey("probe-ee", "vllm-gpu-engine-executed", 1, 0, pack_tokens(tokens), None)
+        key = CacheKey("probe-ee", "vllm-gpu-engine-placement", 1, 0, pack_tokens(tokens), None)
         assert probe.lookup(key) == len(tokens)
         probe.free_lookup_locks("probe-ee")
     finally:
@@ -173,9 +173,9 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
     the copy has stopped the load's blocks come back through the failure report (vLLM's: block ids)."""
     _, layers, tokens, _, _ = engine
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_slice": 1, "instance_id": 61, "placement": "worker",
+        "server_address": gpu_server.address, "layers_per_slice": 1, "instance_id": 61, "placement": "engine",
         "layer_wait_timeout": 0.5}, where="kv_connector_extra_config")
-    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-executed")
+    side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-engine-placement")
     hold = SliceHold(tmp_path / "hold")
     hold.hold("ee-stalled", after_slices=1)
     dst = list(range(20, 20 + N_BLOCKS))

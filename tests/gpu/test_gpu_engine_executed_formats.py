@@ -1,4 +1,4 @@
-"""Engine-executed transfers (worker placement) on a GPU in every engine format and dtype.
+"""Engine-placement transfers (engine placement) on a GPU in every engine format and dtype.
 
 The same check as ``test_gpu_server.py``, with this process doing every copy: it STOREs by copying its
 blocks into objects the server reserved (RESERVE_STORE / COMMIT_STORE), then loads each width into its own
@@ -24,7 +24,7 @@ TOKENS = 300  # chunk 64 on the server: four full chunks and a partial one
 
 
 @pytest.mark.parametrize("fmt,dtype", FORMAT_CASES)
-def test_engine_executed_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
+def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -34,7 +34,7 @@ def test_engine_executed_widths_match_the_stored_blocks_and_chunk_major(gpu_serv
     client = CacheClient(gpu_server.address, timeout=60.0)
     area = RegistrationArea(cache.layout, chunk_size=int(client.server_info()["chunk_size"]))
     iid = next_instance_id()
-    worker = LayerwiseWorker(client, iid, cache.layout, placement="worker", event_backend=CudaEventBackend("cuda:0"),
+    worker = LayerwiseWorker(client, iid, cache.layout, placement="engine", event_backend=CudaEventBackend("cuda:0"),
                              local_regions=cache.region_tensors(), registration_layout=area.layout,
                              pool_writable=True)
     try:
@@ -58,7 +58,7 @@ def test_engine_executed_widths_match_the_stored_blocks_and_chunk_major(gpu_serv
             dst = shuffled_blocks((i + 1) * nb, nb, seed=100 + i)
             cache.poison(dst)
             torch.cuda.synchronize()
-            # from where the LOOKUP found the chunks, as the engine runtime starts a worker-placement load
+            # from where the LOOKUP found the chunks, as the engine runtime starts a engine-placement load
             worker.submit_retrieve(rid, key, [dst], layers_per_slice=width,
                                    located=ChunkLocations.from_lookup_reply(reply))
             _, reads = release_then_read(worker, rid, lambda layer: cache.read(dst, 0, TOKENS, [layer]),

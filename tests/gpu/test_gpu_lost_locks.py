@@ -1,4 +1,4 @@
-"""On a GPU, an engine-executed load whose lookup locks are lost fails: it never hands the engine other bytes.
+"""On a GPU, an engine-placement load whose lookup locks are lost fails: it never hands the engine other bytes.
 
 The scheduler's connection, whose LOOKUP took the locks, goes away while the load is held after its first
 slice (the server ends that connection and frees what it held, as a lease would); another engine then evicts
@@ -24,7 +24,7 @@ from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 
-from test_gpu_engine_executed import wait_released
+from test_gpu_engine_placement import wait_released
 from test_gpu_vllm_worker import BS, vllm_gpu_cache
 
 N_BLOCKS = 64  # 1024 tokens: 128 MiB of this cache's KV
@@ -46,7 +46,7 @@ def test_a_load_whose_chunks_are_evicted_under_it_fails_and_its_blocks_are_recom
         buf, layers = vllm_gpu_cache("LBNHC")
         buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
         settings = RuntimeSettings.from_mapping({
-            "server_address": srv.address, "layers_per_slice": 1, "instance_id": 70, "placement": "worker"},
+            "server_address": srv.address, "layers_per_slice": 1, "instance_id": 70, "placement": "engine"},
             where="kv_connector_extra_config")
         side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-lost")
         flood = ReferenceEngine(FLOOD_SHAPE, num_blocks=N_BLOCKS, block_size=BS)

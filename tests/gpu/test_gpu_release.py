@@ -22,9 +22,9 @@ TOKENS = 8192  # 8192 tokens x 32 layers x 2 x 8 heads x 128 x bf16 = 1 GiB
 CHUNK = 256
 
 
-@pytest.mark.parametrize("placement", ["server", "worker"])
+@pytest.mark.parametrize("placement", ["server", "engine"])
 def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tmp_path, placement):
-    """``server``: the server copies over CUDA IPC; ``worker``: engine-executed, stored through
+    """``server``: the server copies over CUDA IPC; ``worker``: engine-placement, stored through
     RESERVE_STORE/COMMIT_STORE and loaded from the mapped pool by this process's own copies."""
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
@@ -39,11 +39,11 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0)
         area = None
-        if placement == "worker":
+        if placement == "engine":
             from kvstrata.core.engine.registration_area import RegistrationArea
 
             area = RegistrationArea(cache.layout, chunk_size=CHUNK)
-            worker = LayerwiseWorker(client, 0, cache.layout, placement="worker", event_backend=backend,
+            worker = LayerwiseWorker(client, 0, cache.layout, placement="engine", event_backend=backend,
                                      local_regions=cache.region_tensors(), registration_layout=area.layout,
                                      pool_writable=True)
         else:
@@ -55,7 +55,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             src = shuffled_blocks(0, nb, seed=1)
             cache.write(truth, src)
             store_key = CacheKey.for_tokens("store", prompt, model="llama")
-            if placement == "worker":
+            if placement == "engine":
                 assert worker.store_to_pool(store_key, [src])["stored_tokens"] == TOKENS
             else:
                 assert client.store(store_key, 0, [src],
@@ -66,7 +66,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             reply = client.transport.wait(client.lookup_async(key))
             assert reply["hit_tokens"] == TOKENS
             torch.cuda.synchronize()
-            located = ChunkLocations.from_lookup_reply(reply) if placement == "worker" else None
+            located = ChunkLocations.from_lookup_reply(reply) if placement == "engine" else None
             worker.submit_retrieve("big", key, [dst], layers_per_slice=1, located=located)
             state, reads = release_then_read(
                 worker, "big", lambda layer: cache.read(dst, 0, TOKENS, [layer]).eq(truth[:, layer:layer + 1]).all(),

@@ -2,7 +2,7 @@
 on the GPU machine: it pins torch 2.14.1, the image has 2.11).
 
 What runs is exactly what ``KvstrataLinker`` runs: :class:`kvstrata.adapters.sglang.loader.LayerLoader` over a
-``WorkerRuntime`` with the SGLang adapter's hooks (worker placement: this process copies from the server's L1
+``WorkerRuntime`` with the SGLang adapter's hooks (engine placement: this process copies from the server's L1
 pool into its own CUDA buffers), SGLang's per-layer ``k_buffer`` / ``v_buffer`` (or MLA's ``kv_buffer``)
 ``[slots, heads, head_dim]`` tensors on cuda, SGLang-style page-hash keys and token slots. SGLang's
 ``LayerWiseLoadCounter`` is replaced by :class:`LoadCounter`, a stand-in with its semantics (one future per
@@ -119,12 +119,12 @@ def engine(request, gpu_server, tmp_path_factory):
         t[idx] = torch.randn(len(idx), *t.shape[1:], device="cuda").to(t.dtype)
     truth = [t[idx].clone() for t in kv.planes()]
     settings = RuntimeSettings.from_mapping({
-        "server_address": gpu_server.address, "layers_per_slice": 1, "placement": "worker",
+        "server_address": gpu_server.address, "layers_per_slice": 1, "placement": "engine",
         "instance_id": 70 + mla, "layer_wait_timeout": 10.0,
         "record_path": str(tmp_path_factory.mktemp("sglang-gpu") / "record.jsonl")}, where="test")
     runtime = WorkerRuntime(load_adapter(sglang_hooks, check_engine=False), settings, model=f"sglang-gpu-{mla}")
     runtime.register(kv)
-    assert runtime.connected and runtime.placement == "worker" and runtime.description.device.startswith("cuda")
+    assert runtime.connected and runtime.placement == "engine" and runtime.description.device.startswith("cuda")
     counter = LoadCounter(LAYERS)
     loader = LayerLoader(runtime, counter, page_size=PAGE,
                          wait_for_offload_inputs=lambda events: torch.cuda.synchronize())

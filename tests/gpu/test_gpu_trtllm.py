@@ -2,7 +2,7 @@
 
 * the KV pool is allocated by ``cudaMalloc`` outside torch's caching allocator (``harness/cuda_pool.py``),
   as TensorRT-LLM's KV cache manager does, so torch cannot export it by CUDA IPC: the adapter describes it
-  for the engine-executed worker placement only (placement ``auto`` falls back to it, logged);
+  for the engine-placement engine placement only (placement ``auto`` falls back to it, logged);
 * the forward runs on a non-default stream (every connector call gets that stream);
 * decode-only batches replay a CUDA graph captured at warm-up, before the connector's hooks exist.
 
@@ -134,7 +134,7 @@ def test_gpu_outputs_byte_exact(gpu_server, monkeypatch, tmp_path, world: int, a
     base, _ = run(ps, 1000 + seed * 10, world=world)
     deploy(monkeypatch, gpu_server.address, tmp_path, async_load=async_load)
     cold, placements = run(ps, 2000 + seed * 10, world=world, connector=CONNECTOR)
-    assert placements == ["worker"] * world  # auto: server placement refused for a cudaMalloc'ed pool
+    assert placements == ["engine"] * world  # auto: server placement refused for a cudaMalloc'ed pool
     same(base, cold)
     record = deploy(monkeypatch, gpu_server.address, tmp_path, async_load=async_load)
     warm_ids = [3000 + seed * 10 + i for i in range(len(ps))]

@@ -89,7 +89,7 @@ def test_vllm_worker_runtime_stores_and_loads_through_cuda_ipc_with_early_releas
         client.close()
 
 
-def test_placement_auto_picks_engine_executed_transfers_for_a_gpu_cache(gpu_server):
+def test_placement_auto_picks_engine_placement_transfers_for_a_gpu_cache(gpu_server):
     """``auto`` on a GPU: the engine's own copies (benchmarks/ttft.py shows them faster under its compute)."""
     _, layers = vllm_gpu_cache("LBNHC")
     settings = RuntimeSettings.from_mapping({"server_address": gpu_server.address, "instance_id": 45},
@@ -97,6 +97,6 @@ def test_placement_auto_picks_engine_executed_transfers_for_a_gpu_cache(gpu_serv
     side = WorkerRuntime(load_adapter(vllm_hooks, check_engine=False), settings, model="vllm-gpu-auto")
     try:
         side.register(layers)
-        assert side.connected and side.placement == "worker"
+        assert side.connected and side.placement == "engine"
     finally:
         side.close()

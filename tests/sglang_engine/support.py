@@ -2,8 +2,8 @@
 
 The control must prove the equality checks can fail: it changes the bytes of exactly one layer of what
 kvstrata stored for a prompt, in the server's own L1 pool, so a later load of that prompt reads altered KV
-for that layer only. It finds the objects the way a worker-placement engine does: it registers a small
-worker-placement instance with the same shape, LOOKUPs the prompt by SGLang's page-hash chain and sends a
+for that layer only. It finds the objects the way a engine-placement engine does: it registers a small
+engine-placement instance with the same shape, LOOKUPs the prompt by SGLang's page-hash chain and sends a
 RETRIEVE, whose reply says where each chunk lies in the pool; then it maps the pool (writable: this is the
 test, not an engine) and negates that layer's K and V there. Nothing is copied into an engine.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from kvstrata.core.shm import Segment, create_cache_segment
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.transfer.layouts import PLACEMENT_WORKER, Region, blocks_layout, blocks_layout_bytes
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, Region, blocks_layout, blocks_layout_bytes
 from kvstrata.core.wire.client import CacheClient
 
 _instances = itertools.count(900)
@@ -36,7 +36,7 @@ def corrupt_stored_layer(*, server_address: str, model: str, tokens: list[int], 
     hashes = sglang_page_hashes(tokens, page_size)
     pages = len(hashes)
     instance = next(_instances)
-    # a worker-placement engine registers a shared-memory staging area of its cache's shape: so does this (made
+    # a engine-placement engine registers a shared-memory staging area of its cache's shape: so does this (made
     # as an engine's, with the proof of ownership the server asks of whoever registers a segment)
     geometry = {"num_layers": num_layers, "kv_size": 2, "num_blocks": pages + 1, "block_size": page_size,
                 "num_heads": num_heads, "head_size": head_size, "dtype": dtype}
@@ -46,7 +46,7 @@ def corrupt_stored_layer(*, server_address: str, model: str, tokens: list[int], 
     client = CacheClient(server_address, timeout=30.0)
     rid = f"test-corrupt-{instance}"
     try:
-        reply = client.register_kv_cache(instance, layout, PLACEMENT_WORKER)
+        reply = client.register_kv_cache(instance, layout, PLACEMENT_ENGINE)
         key = CacheKey.for_page_hashes(rid, hashes, page_size, model=model)
         hit = client.lookup(key)
         if hit != pages * page_size:

@@ -96,6 +96,6 @@ def test_storage_hits_equal_a_run_without_kvstrata_and_fresh_engines_in_other_la
     assert r[0][0]["cached_tokens"] >= 12 * PAGE and r[2][0]["cached_tokens"] >= 9 * PAGE, r
     assert r[4][0]["cached_tokens"] >= 7 * PAGE, r[4]
     events = read_record(reader_record)
-    assert {e["placement"] for e in events if e["event"] == "registered"} == {"worker"}
+    assert {e["placement"] for e in events if e["event"] == "registered"} == {"engine"}
     assert len(storage_loads(events)) >= 28, storage_loads(events)
     assert not [e for e in events if e["event"] == "load_failed"], events

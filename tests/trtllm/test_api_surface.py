@@ -103,12 +103,12 @@ def test_hooks_load_without_the_engine_and_refuse_server_placement_on_a_private_
     from kvstrata.core.transfer.layouts import LayoutError
 
     pool = TrtllmKvPool(torch.zeros(8, 3, 2, 4 * 16 * 8), 16)
-    d = describe(pool, "worker")
+    d = describe(pool, "engine")
     assert (d.layout.num_layers, d.layout.num_blocks, d.layout.block_size, d.layout.kv_size) == (3, 8, 16, 2)
     assert d.layout.block_stride == 3 * 2 * 4 * 16 * 8 * 4 and d.layout.dtype == "uint8"
     with pytest.raises(NotSupported, match="private memory"):
         describe(pool, "server")
     with pytest.raises(LayoutError, match="tokens_per_block=7"):
-        describe(TrtllmKvPool(torch.zeros(8, 3, 2, 4 * 16 * 8), 7), "worker")
+        describe(TrtllmKvPool(torch.zeros(8, 3, 2, 4 * 16 * 8), 7), "engine")
     with pytest.raises(LayoutError, match="got a 3-d tensor"):
-        describe(TrtllmKvPool(torch.zeros(8, 3, 2), 16), "worker")
+        describe(TrtllmKvPool(torch.zeros(8, 3, 2), 16), "engine")

@@ -82,7 +82,7 @@ def test_outputs_equal_a_run_without_the_connector(server, deploy, tmp_path, wor
     assert len(events(record, "stored")) == len(ps) * world
     # The last load submitted is held after its first slice until a layer wait ran with it in flight (then it
     # goes on): the forward reads layers that were still loading when their wait began, whoever is faster
-    # here. (Only the last: worker placement copies on one thread, so a held load delays the ones after it.)
+    # here. (Only the last: engine placement copies on one thread, so a held load delays the ones after it.)
     hold = SliceHold(tmp_path / "hold")
     warm_ids = [3000 + seed * 10 + i for i in range(len(ps))]
     hold.hold(f"{warm_ids[-1]}", after_slices=1)
@@ -291,8 +291,8 @@ def test_server_death_mid_load_fails_the_batch_and_nothing_hangs(deploy, tmp_pat
     assert len(done[7003].generated) == MAX_NEW or done[7003].error  # never hangs; a shared batch fails with it
 
 
-def test_a_stalled_engine_executed_copy_fails_its_batch_before_its_report(server, deploy, tmp_path) -> None:
-    """Worker placement: the copy of a synchronous load is held after its first slice, so layer 1's wait gives up
+def test_a_stalled_engine_placement_copy_fails_its_batch_before_its_report(server, deploy, tmp_path) -> None:
+    """Engine placement: the copy of a synchronous load is held after its first slice, so layer 1's wait gives up
     (bounded) while the copy still runs. Its failure is reported to the runtime only once that copy stopped,
     but the forward it was read in must fail now: ``wait_for_save`` raises for it. The blocks stay held until
     the copy stopped; then everything is freed."""

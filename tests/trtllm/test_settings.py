@@ -21,9 +21,9 @@ def test_unset_is_every_default() -> None:
 
 def test_json_and_yaml_files(tmp_path) -> None:
     j = tmp_path / "kv.json"
-    j.write_text(json.dumps({"placement": "worker", "instance_id": 3}))
+    j.write_text(json.dumps({"placement": "engine", "instance_id": 3}))
     s, _ = settings.load({settings.ENV_VAR: str(j)})
-    assert (s.placement, s.instance_id) == ("worker", 3)
+    assert (s.placement, s.instance_id) == ("engine", 3)
     y = tmp_path / "kv.yaml"
     y.write_text("layers_per_slice: 4\nasync_load: false\n")
     s, o = settings.load({settings.ENV_VAR: str(y)})

@@ -41,7 +41,7 @@ ALL = [A, B, *FAMILY]
 def run_vllm(tmp: Path, name: str, batches, connector=None, abort=None, multiprocessing=False, timeout=600,
              slice_hold: SliceHold | None = None, tensor_parallel_size: int = 1, fail_first_load: bool = False,
              barrier: dict | None = None):
-    """``slice_hold``: installed in the engine's processes (the connector copies there: worker placement).
+    """``slice_hold``: installed in the engine's processes (the connector copies there: engine placement).
     ``fail_first_load``: the first load the connector copies fails (vllm_runner.py's KVSTRATA_TEST_FAIL_FIRST_LOAD);
     ``out["loads_seen"]`` then names (by lock owner) every load that started copying, the failed one first."""
     return finish_vllm(start_vllm(tmp, name, batches, connector, abort, multiprocessing, slice_hold,

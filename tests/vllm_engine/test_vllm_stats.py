@@ -16,7 +16,7 @@ from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
 
 
 def test_get_kv_connector_stats_reports_the_interval_and_vllm_can_sum_and_reduce_it() -> None:
-    spec = HarnessSpec(num_layers=4, num_blocks=64, placement="worker")
+    spec = HarnessSpec(num_layers=4, num_blocks=64, placement="engine")
     with ServerProcess(l1_bytes=64 << 20, chunk_size=64) as server:
         driver = VllmConformanceDriver(spec)
         try:

@@ -17,7 +17,7 @@ With ``KVSTRATA_TEST_SLICE_HOLD`` set, the test-only slice hold is installed at 
 in every engine process vLLM starts (a forked one inherits it, a spawned one imports this module again).
 
 With ``KVSTRATA_TEST_FAIL_FIRST_LOAD`` set (to a file path), the first load kvstrata copies in this process
-(worker placement) fails before its first slice, through the planner's test-only slice hook: a real failed
+(engine placement) fails before its first slice, through the planner's test-only slice hook: a real failed
 load, which vLLM recovers from by its ``kv_load_failure_policy``. The names of the loads the hook saw start
 (their lock owners) go to that file, one a line.
 """
