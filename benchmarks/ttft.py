@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -58,10 +59,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
-RING_SUFFIXES = {"-norings": False, "-rings": True}
+RING_SUFFIXES: dict[str, bool | str] = {"-norings": False, "-nomailbox": "rings", "-rings": True}
 """A placement ending in ``-norings`` (``server-norings``) runs with ``CacheClient(rings="none")``: no shared-memory
 request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. One ending in ``-rings``
-(``worker-rings``) attaches them where the placement would not (engine placement attaches none by default)."""
+(``engine-rings``) attaches them where the placement would not (engine placement attaches none by default). One ending
+in ``-nomailbox`` attaches the rings without the GPU mailbox (``CacheClient(rings="rings")``)."""
 
 
 LOCATE_SUFFIX = "-retrieve"
@@ -77,7 +79,7 @@ def split_suffix(placement: str, suffixes: dict[str, Any]) -> tuple[str, Any]:
     return placement, None
 
 
-def ring_setting(placement: str) -> tuple[str, bool | None]:
+def ring_setting(placement: str) -> tuple[str, bool | str | None]:
     """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
     return split_suffix(placement, RING_SUFFIXES)
 
@@ -140,7 +142,7 @@ class ArmSettings:
     priority: int | None = None
     ctas: int | None = None
     buffers: int | None = None
-    rings: bool | None = None
+    rings: bool | str | None = None
     handover: int | None = None
     ahead: int | None = None
     """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
@@ -439,7 +441,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         server = base == "server"
         arm_client = client
         if not server or rings is not None:  # a connection of its own, so no other arm's rings carry its requests
-            arm_client = CacheClient(client.address, timeout=120.0, rings="none" if rings is False else "all")
+            arm_client = CacheClient(client.address, timeout=120.0,
+                                     rings={False: "none", "rings": "rings"}.get(rings, "all"))
             rig.clients.append(arm_client)
         if server:
             worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
@@ -672,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-copies", type=int, default=0, metavar="REPS",
                    help="diagnostic: after each size's runs at one request, run every engine-placement arm at "
                         "width 1 REPS more times with its copies and scatters bracketed by timing events")
+    p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
+                   "of a server mechanism: run once with and once without, in both orders)")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
     args = p.parse_args(argv)
@@ -715,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": args.pool_gib, "stream_pad": args.stream_pad, "first_use": args.first_use,
-                   "prewarm": args.prewarm, "probe_copies": args.probe_copies,
+                   "prewarm": args.prewarm, "probe_copies": args.probe_copies, "server_args": args.server_args,
                    "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
                             "bf16 random weights",
                    "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
@@ -724,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32000, (args.prefix,), generator=gen).tolist() for _ in range(max_conc)]
     pool_bytes = int(args.pool_gib * (1 << 30))
-    with ServerProcess(l1_bytes=pool_bytes, chunk_size=args.chunk, log_level="WARNING") as srv:
+    with ServerProcess(l1_bytes=pool_bytes, chunk_size=args.chunk, log_level="WARNING",
+                       extra_args=shlex.split(args.server_args)) as srv:
         client = CacheClient(srv.address, timeout=120.0)
         truth = None
         try:

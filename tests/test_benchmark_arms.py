@@ -16,6 +16,7 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
 @pytest.mark.parametrize("name,expected", [
     ("server", ttft.ArmSettings("server")),
     ("server-norings", ttft.ArmSettings("server", rings=False)),
+    ("server-nomailbox", ttft.ArmSettings("server", rings="rings")),
     ("engine", ttft.ArmSettings("engine")),
     ("engine-rr", ttft.ArmSettings("engine-rr")),
     ("engine-rings", ttft.ArmSettings("engine", rings=True)),
