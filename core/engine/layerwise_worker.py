@@ -186,13 +186,9 @@ class LayerwiseWorker:
         self.shm_rings = placement == PLACEMENT_SERVER if shm_rings is None else shm_rings
         """At registration, attach shared-memory rings for requests and replies (a server on this host then
         sees a RETRIEVE, and get_finished() its reply, without waiting for a ZMQ I/O thread to wake). By
-        default only in server placement. With the engine computing (``benchmarks/ttft.py``'s ``-norings``
-        arms on an H200, ``benchmarks/results/h200-2026-12-02-session7``), engine-placement loads were no
-        faster with them at one request and about 5% slower at four, in two runs; on an idle GPU they made
-        the engine-placement RETRIEVE's round trip 0.3 ms shorter, which first-token time did not show. Once
-        loads started from their LOOKUP's locations (no RETRIEVE), the A/B ran again on two VMs
-        (``h200-2026-12-02-session8``, runs 4 and 5): one favoured the rings, the other was faster without
-        them in 10 of 12 cells, so the default stays; they shortened a store by 0.1-0.2 ms."""
+        default only in server placement: an engine-placement load starts from its LOOKUP's locations and
+        sends no RETRIEVE on its path, and with the engine computing the rings did not make its first-token
+        time shorter (``benchmarks/ttft.py``'s ``-rings`` / ``-norings`` arms are the A/B)."""
 
     # --- public properties the design asks adapters to use ---------------------------
 
