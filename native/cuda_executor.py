@@ -13,16 +13,15 @@ executor per transfer. Three modes, chosen per engine (:class:`CudaTransferConfi
     sit back to back in the pool, so a slice is normally one 2D copy, and the
     copy engine runs at the raw memcpy rate whatever the slice width. Where the
     engine's layout is dense token rows in consecutive blocks the copy engine
-    writes the engine's cache directly and no kernel runs. Measured on an H200:
-    a 1 GiB retrieve in 20.1 ms of GPU time at any width against 19.4 ms for one
-    raw memcpy; a store at the raw rate.
+    writes the engine's cache directly and no kernel runs. So a retrieve's GPU
+    time stays close to one raw memcpy of the same bytes at any width, and a
+    store's too (``benchmarks/transfer.py``).
 
 ``kernel``
     The scatter kernel reads the L1 objects in place, through the device
     pointer of the pinned pool, and writes the engine's layout: one launch per
-    slice and no staging at all, but SM loads over PCIe reach about 51 GB/s
-    where the copy engine reaches 55, and it occupies SMs the engine computes
-    on. Hybrid layouts (several KV groups) always take this path.
+    slice and no staging at all, but SM loads over PCIe are slower than the
+    copy engine, and it occupies SMs the engine computes on. Hybrid layouts (several KV groups) always take this path.
 
 ``torch``
     The pure-torch reference functions on GPU tensors: slow, for when the
@@ -380,9 +379,9 @@ class CudaTransferEngine:
         packs only the copies' descriptors and the block table (a few KiB, whatever
         the transfer's length) into the slot's pinned memory; one extension call
         uploads them and expands them on the stream. Slots are reused, so the path to
-        a transfer's first slice allocates nothing: measured after 20 ms of idling
-        (``profile_host.py --table-steps``), numpy's conversions, a device allocation
-        and torch's event wrappers cost this step about 0.3 ms of host time.
+        a transfer's first slice allocates nothing: on a host that idled between
+        transfers, numpy's conversions, a device allocation and torch's event wrappers
+        made this step several times slower (``profile_host.py --table-steps``).
         """
         n_copies, n_blocks = len(copies), len(blocks)
         need = 5 * n_copies + n_blocks
@@ -870,12 +869,12 @@ class CudaLocalCopier:
     engine computing. The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``); more
     measured no better either.
 
-    Under compute, one copier of a process can load about 5% slower than another of identical settings: its copy
+    Under compute, one copier of a process can load slower than another of identical settings: its copy
     engine's host-to-staging time, decided by the order of the copiers' first transfers. Neither its streams
     (two copy streams a piece change nothing), its staging buffers and token table (allocated at registration),
-    nor the pool's mapping or host page size decide it; copies alone are not slowed by the compute. The
-    measurements are in ``benchmarks/results/``, sessions 8 to 13 (priority and buffers in 8-9, the spread in
-    9-13); what decides it is not known.
+    nor the pool's mapping or host page size decide it; copies alone are not slowed by the compute
+    (``benchmarks/copy_under_compute.py``). What decides it is not known, so an A/B of copier settings puts
+    each setting at an odd and an even position (``benchmarks/README.md``).
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor,
@@ -884,9 +883,8 @@ class CudaLocalCopier:
 
         By default the copy engine always goes through staging buffers here, with the scatter kernel in the
         engine's context, also where the layout would let it write the cache directly (SGLang's per-layer
-        buffers): in the engine's process the direct copies measured slower (H200, 1.84 GiB into SGLang
-        buffers: 45.4 ms direct against 39.3 ms staged; first token 78.0 against 72.0 ms at 1,024 new tokens,
-        ``benchmarks/ttft_direct_copy_ab.sh``)."""
+        buffers): in the engine's process the direct copies were slower, in the load and in first-token time
+        (``benchmarks/ttft_direct_copy_ab.sh``; its figures are in ``benchmarks/README.md``)."""
         t0 = time.perf_counter()
         config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
         self.pool = pool
