@@ -132,12 +132,12 @@ class CudaIpcTarget:
     def record(self, events: Sequence[Any]) -> None:
         """Record the engine's events after everything enqueued so far, on a side stream.
 
-        Each interprocess event record costs the stream that carries it a couple
-        of microseconds of GPU time, more while the engine's stream waits on it
-        (``benchmarks/event_record_cost.py``): 32 of them at a transfer's end put
-        0.05 to 0.08 ms between its last copy and the server seeing it done. On a
-        side stream that first waits for the copy stream, they complete at the same
-        point for the engine and delay nothing the server waits for.
+        Each interprocess event record costs the stream that carries it GPU time,
+        more while the engine's stream waits on it (``benchmarks/event_record_cost.py``):
+        on the copy stream, a transfer's records would sit between its last copy and
+        the server seeing it done. On a side stream that first waits for the copy
+        stream, they complete at the same point for the engine and delay nothing the
+        server waits for.
         """
         if not events:
             return
