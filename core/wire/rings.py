@@ -1,9 +1,8 @@
 """Shared-memory rings between a client and a server on one host: requests one way, replies the other.
 
 A request or reply over ZMQ crosses two I/O threads, the sender's and the
-receiver's, and on the lent H200's virtual machine each leg measured 0.14 to 0.3
-ms against 0.04 ms back to back: the threads slept through the transfer's tens of
-milliseconds. But both ends of the kvstrata path are already awake when it
+receiver's, and on a virtual machine a leg takes several times longer when those
+threads slept through the transfer's tens of milliseconds than back to back. But both ends of the kvstrata path are already awake when it
 matters: the server's polling thread spins (``--busy-poll-ms``) and an engine
 polls for finished transfers every step. So a client on the server's host
 attaches two rings (ATTACH_RINGS): it writes each request into its request ring
