@@ -462,8 +462,8 @@ class Server:
         """After each request, have the waiting thread poll without sleeping for ``window_ms``.
 
         The next request of a burst (a LOOKUP's RETRIEVE, the next transfer) is
-        then taken at once rather than after the 0.1 to 0.5 ms a sleeping thread
-        needs to wake on a virtual machine. Costs up to one core while the window
+        then taken at once rather than after the time a sleeping thread needs to
+        wake on a virtual machine. Costs up to one core while the window
         lasts; the spinning happens outside the GIL, so handlers run undisturbed.
         """
         if window_ms < 0:
