@@ -32,8 +32,8 @@ def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: in
 def block_runs(blocks: torch.Tensor, offsets: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """Split per-token slots into runs inside one block: (block, first offset, first token, length).
 
-    torch's index kernels move one element at a time (about 1 GB/s here), while
-    a slice copy is a strided memcpy; a run per block turns a scatter into
+    torch's index kernels move one element at a time, while a slice copy is a
+    strided memcpy; a run per block turns a scatter into
     tokens / block_size slice copies per layer and plane.
     """
     n = blocks.numel()
