@@ -24,8 +24,8 @@ MAX_PAGE_HASH_CHARS = 256
 def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as int64 little-endian bytes.
 
-    Engines hand over Python lists: ``struct`` packs those about 2.5x faster than
-    numpy converts them, which matters on every store and retrieve of a long prompt.
+    Engines hand over Python lists: ``struct`` packs those faster than numpy
+    converts them, which matters on every store and retrieve of a long prompt.
     """
     if isinstance(token_ids, np.ndarray):
         return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
@@ -121,7 +121,7 @@ class CacheKey:
         """The chunk digests one at a time, each computed when asked for.
 
         A STORE hashes as it goes, so its first chunk's copy starts after one
-        digest rather than after the whole prompt's (0.1 ms for 8k tokens).
+        digest rather than after the whole prompt's.
 
         ``known`` is an earlier key with its digests (a LOOKUP's, kept for its
         RETRIEVE). Where this key's tokens start with that key's, the digests of
