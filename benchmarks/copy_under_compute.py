@@ -1,10 +1,9 @@
-"""Diagnostic of the arm-to-arm spread (issue 19): which part of a load decides how fast the copy engine moves it
-while the engine computes.
+"""Diagnostic of the arm-to-arm spread: which part of a load decides how fast the copy engine moves it while the
+engine computes.
 
-``ttft.py`` runs showed one engine-placement arm of identical settings loading about 5% slower under compute than
-another, all of it the copy engine's own host-to-staging time, decided by the order of the arms' first transfers
-(``results/h200-2026-12-03-session12``), and not by how many copy streams a piece is split across
-(``results/h200-2026-12-03-session13``). This takes the pieces apart. One source is the L1 pool as an engine maps
+In ``ttft.py`` one engine-placement arm can load slower under compute than another of identical settings, all of
+it the copy engine's own host-to-staging time, decided by the order of the arms' first transfers and not by how
+many copy streams a piece is split across. This takes the pieces apart. One source is the L1 pool as an engine maps
 it (a private shared-memory segment, mapped read-only and registered for DMA), the others are further read-only
 mappings of the same segment, pinned memory from CUDA's own allocator and, where the kernel gives it, anonymous
 memory on transparent huge pages. Each trial copies one request's prefix (32 layer pieces of one 2D copy each, as
