@@ -1,4 +1,4 @@
-"""First-token time on a GPU with the engine computing (issue 19).
+"""First-token time on a GPU with the engine computing.
 
 An idle-GPU transfer benchmark (``benchmarks/transfer.py``) cannot see what decides first-token time: while
 later layers still copy, the engine is computing earlier ones, and copies that run in another process's CUDA
@@ -112,7 +112,8 @@ def enqueue_ahead(placement: str) -> tuple[str, int | None]:
 
 PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
 """An engine-placement placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
-(-1), one ending in ``-prio0`` at normal priority (0, the default since session 8's runs 6-7 measured it so)."""
+(-1), one ending in ``-prio0`` at normal priority (0, the default: the highest was no faster with the engine
+computing)."""
 
 
 def copy_priority(placement: str) -> tuple[str, int | None]:
