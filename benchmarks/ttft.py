@@ -823,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -> dict[str, Any]:
-    """Issue 19's first-token targets, per format and placement, from this run's own arms."""
+    """The first-token targets, per format and placement, from this run's own arms."""
     out: dict[str, Any] = {}
     layer_widths = [w for w in widths if w > 0]
     for fmt, fres in result["formats"].items():
