@@ -21,7 +21,7 @@ In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
    stand-in still computing when the offload is called (``sglang_offload``).
 
 Writes a JSON result (``--out``) with the GPU name, versions and date, and
-evaluates the issue's targets on the primary mode. Run it as the README in
+evaluates the transfer targets on the primary mode. Run it as the README in
 this directory says.
 """
 
@@ -582,7 +582,7 @@ def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
 
 
 ENGINE_EXECUTED_TARGETS = {"chunk_major_vs_raw": 1.05, "width1_first_layer_usable_ms": 1.5, "store_vs_raw": 1.10}
-"""Issue 19's transfer targets for the engine-placement placement (loads from the pool, and stores by
+"""The transfer targets for the engine placement (loads from the pool, and stores by
 RESERVE_STORE, this process's copies, COMMIT_STORE)."""
 
 
