@@ -24,7 +24,8 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.placement import Placement
+from kvstrata.core.engine.choose_placement import make_placement
 
 WIDTHS = [0, 1, 2, 4, 8, 32]
 
@@ -40,7 +41,7 @@ def raw_memcpy_ms(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_one(worker: LayerwiseWorker, client: CacheClient, engine: ReferenceEngine, prompt: list[int],
+def run_one(worker: Placement, client: CacheClient, engine: ReferenceEngine, prompt: list[int],
             width: int, rid: str) -> tuple[float, float]:
     key = CacheKey.for_tokens(rid, prompt, model="bench")
     client.lookup(key)
@@ -87,7 +88,7 @@ def main() -> int:
         client.store(CacheKey.for_tokens("store", prompt, model="bench"), 0, [blocks])
         engine.free(blocks)
         for placement in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
-            worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
+            worker = make_placement(placement, client, 0, engine.layout, local_regions=engine.regions)
             worker.register()
             rows = {}
             for width in WIDTHS:

@@ -8,7 +8,7 @@ then lists the functions by their own time. A complement to
 inside a step costs.
 
     python benchmarks/profile_host.py --reps 200
-    python benchmarks/profile_host.py --submit --reps 100   # the engine side: LayerwiseWorker.submit_retrieve
+    python benchmarks/profile_host.py --submit --reps 100   # the engine side: Placement.submit_retrieve
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def profile_submit(args: argparse.Namespace) -> int:
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.gpu_caches import GpuKVCache
 
@@ -227,7 +227,7 @@ def profile_submit(args: argparse.Namespace) -> int:
                        log_level="WARNING") as srv:
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=60)
-        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        worker = ServerPlacement(client, 0, cache.layout, event_backend=backend)
         worker.register()
         prompt = torch.randint(0, 32000, (args.tokens,)).tolist()
         client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [list(range(nb))],

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    from kvstrata.core.engine.server_placement import ServerPlacement
     from transfer import spin_until_settled  # the engine's poll, as the transfer benchmark models it
 
     gpu = args.device == "cuda"
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_marks = trace_engine_side()
     with srv:
         client = CacheClient(srv.address, timeout=120.0)
-        worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        worker = ServerPlacement(client, 0, cache.layout, event_backend=backend)
         try:
             worker.register()
             client.store(CacheKey.for_tokens("s", prompt, model="m"), 0, [src], event_handle=store_event())

@@ -297,7 +297,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    from kvstrata.core.engine.engine_placement import EnginePlacement
+    from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.native.cuda_events import CudaEventBackend
 
     cache = llama_cache(tokens, block_size)
@@ -315,7 +316,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                        extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
         backend = CudaEventBackend("cuda:0")
         client = CacheClient(srv.address, timeout=120.0, rings=rings)
-        storer = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+        storer = ServerPlacement(client, 0, cache.layout, event_backend=backend)
         worker = storer
         area = None
         try:
@@ -330,7 +331,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 # a connection of its own: the storer's shared-memory rings (server placement) must not carry
                 # the engine-placement worker's requests, which by default travel over ZMQ alone
                 worker_client = CacheClient(srv.address, timeout=120.0, rings=rings)
-                worker = LayerwiseWorker(worker_client, 1, cache.layout, placement="engine", event_backend=backend,
+                worker = EnginePlacement(worker_client, 1, cache.layout, event_backend=backend,
                                          local_regions=cache.region_tensors(), registration_layout=area.layout,
                                          pool_writable=True, shm_rings=worker_rings)
                 t = time.perf_counter()
@@ -355,7 +356,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     worker.client.transport.wait(reservation)
                 t0 = time.perf_counter()
                 if placement == "engine":  # engine-placement: RESERVE_STORE, this process's copies, COMMIT_STORE
-                    r = worker.store_to_pool(key, [src], reservation=reservation)
+                    r = worker.store(key, [src], reservation=reservation)
                     st = worker.last_store
                     store_steps.append({"reserve_ms": (st.reserved_at - st.started_at) * 1e3,
                                         "enqueue_ms": (st.enqueued_at - st.reserved_at) * 1e3,

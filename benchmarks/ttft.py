@@ -80,7 +80,7 @@ def split_suffix(placement: str, suffixes: dict[str, Any]) -> tuple[str, Any]:
 
 
 def ring_setting(placement: str) -> tuple[str, bool | str | None]:
-    """(the placement without its ring suffix, ``LayerwiseWorker``'s ``shm_rings``: None = the placement's default)."""
+    """(the placement without its ring suffix, ``Placement``'s ``shm_rings``: None = the placement's default)."""
     return split_suffix(placement, RING_SUFFIXES)
 
 
@@ -149,7 +149,7 @@ class ArmSettings:
     """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
 
     def enqueue_ahead_bytes(self, default: int) -> int | None:
-        """``LayerwiseWorker``'s ``enqueue_ahead_bytes`` for this arm (None: no bound)."""
+        """``EnginePlacement``'s ``enqueue_ahead_bytes`` for this arm (None: no bound)."""
         return default if self.ahead is None else (self.ahead << 20 or None)
 
 
@@ -416,7 +416,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     """``stream_pad``: take that many more streams from torch's pool before each engine-placement arm's copier
     takes its own (a diagnostic of which pool streams the copier gets; 0 in every recorded run but where said).
     ``prewarm_what``: see :func:`prewarm` ("none" in every recorded run but where said)."""
-    from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+    from kvstrata.core.engine.engine_placement import EnginePlacement
+    from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.core.engine.registration_area import RegistrationArea
     from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
     from kvstrata.core.wire.client import CacheClient
@@ -446,7 +447,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
                                      rings={False: "none", "rings": "rings"}.get(rings, "all"))
             rig.clients.append(arm_client)
         if server:
-            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, event_backend=backend,
+            worker = ServerPlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      shm_rings=rings)
         else:
             for _ in range(stream_pad):
@@ -454,8 +455,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
             policy = "round_robin" if base == "engine-rr" else "earliest_released"
-            worker = LayerwiseWorker(arm_client, instance_base + n, cache.layout, placement="engine",
-                                     event_backend=backend, local_regions=cache.region_tensors(),
+            worker = EnginePlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
+                                     local_regions=cache.region_tensors(),
                                      registration_layout=staging.layout, transfer_queue_policy=policy,
                                      shm_rings=rings, handover_slices=arm.handover or HANDOVER_SLICES,
                                      enqueue_ahead_bytes=arm.enqueue_ahead_bytes(ENQUEUE_AHEAD_BYTES))

@@ -15,7 +15,7 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.server_placement import ServerPlacement
 
 
 def run_demo(tokens: int = 1024, layers_per_slice: int = 1) -> int:
@@ -26,7 +26,7 @@ def run_demo(tokens: int = 1024, layers_per_slice: int = 1) -> int:
     with ServerProcess(l1_bytes=max(2 * kv_bytes, 64 << 20), chunk_size=256) as server:
         engine = ReferenceEngine(shape, num_blocks=num_blocks, block_size=16)
         client = CacheClient(server.address)
-        worker = LayerwiseWorker(client, 0, engine.layout)
+        worker = ServerPlacement(client, 0, engine.layout)
         try:
             worker.register()
             prompt = torch.randint(0, 32000, (tokens,)).tolist()

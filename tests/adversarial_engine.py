@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
@@ -35,11 +35,11 @@ def prompt_of(seed: int) -> list[int]:
 def main(address: str, instance: int, seed: int) -> None:
     client = CacheClient(address, timeout=20.0)
     engine = ReferenceEngine(SHAPE, num_blocks=4 * TOKENS // 16, block_size=16)
-    server_side = LayerwiseWorker(client, instance, engine.layout, pool_slots=2)
+    server_side = ServerPlacement(client, instance, engine.layout, pool_slots=2)
     server_side.register()  # attaches rings and the mailbox
     area = RegistrationArea(engine.layout, chunk_size=64)
-    worker_side = LayerwiseWorker(client, instance + 1, engine.layout, placement=PLACEMENT_ENGINE,
-                                  local_regions=engine.regions, registration_layout=area.layout, pool_writable=True)
+    worker_side = EnginePlacement(client, instance + 1, engine.layout, local_regions=engine.regions,
+                                  registration_layout=area.layout, pool_writable=True)
     worker_side.register()
     prompt = prompt_of(seed)
     blocks = engine.allocate(TOKENS)

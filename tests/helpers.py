@@ -13,7 +13,7 @@ import torch
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.placement import Placement
 
 SMALL_32 = ModelShape(num_layers=32, kv_size=2, num_heads=2, head_size=16, dtype="bfloat16")
 
@@ -36,11 +36,11 @@ def lookup_into_fresh_blocks(client: CacheClient, engine: ReferenceEngine, reque
     return key, dst
 
 
-_released_elsewhere: "weakref.WeakKeyDictionary[LayerwiseWorker, dict[str, dict]]" = weakref.WeakKeyDictionary()
+_released_elsewhere: "weakref.WeakKeyDictionary[Placement, dict[str, dict]]" = weakref.WeakKeyDictionary()
 """Requests a get_finished() call reported while release_of() waited for another one."""
 
 
-def release_of(worker: LayerwiseWorker, request_id: str, timeout: float = 60.0) -> dict:
+def release_of(worker: Placement, request_id: str, timeout: float = 60.0) -> dict:
     """Poll get_finished until ``request_id`` is released; what was true at that moment (transfer still
     running? in the draining set?). The bound only catches a hang."""
     import time
@@ -59,14 +59,14 @@ def release_of(worker: LayerwiseWorker, request_id: str, timeout: float = 60.0) 
     return seen.pop(request_id)
 
 
-def read_every_layer(worker: LayerwiseWorker, num_layers: int) -> None:
+def read_every_layer(worker: Placement, num_layers: int) -> None:
     """What an engine does after the release: wait before reading each layer, then let the transfer settle."""
     for layer in range(num_layers):
         worker.wait_for_layer(layer)
     worker.wait_all()
 
 
-def engine_loop(worker: LayerwiseWorker, request_id: str, num_layers: int, timeout: float = 60.0) -> dict:
+def engine_loop(worker: Placement, request_id: str, num_layers: int, timeout: float = 60.0) -> dict:
     """Poll get_finished until released, then wait before reading each layer (see :func:`release_of`)."""
     at_release = release_of(worker, request_id, timeout)
     read_every_layer(worker, num_layers)

@@ -19,13 +19,12 @@ from typing import Any, Callable
 
 import pytest
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
-from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
@@ -177,7 +176,7 @@ def test_one_connection_cannot_take_the_pool_and_what_it_reserved_goes_with_it(s
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * TOKENS // 16, block_size=16)
     attacker = CacheClient(server.address, timeout=30.0)
     area = RegistrationArea(engine.layout, chunk_size=64)
-    hog = LayerwiseWorker(attacker, 121, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    hog = EnginePlacement(attacker, 121, engine.layout, local_regions=engine.regions,
                           registration_layout=area.layout, pool_writable=True)
     try:
         hog.register()

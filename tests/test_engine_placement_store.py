@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
@@ -20,7 +21,7 @@ def worker(client):
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     info = client.server_info()
     area = RegistrationArea(engine.layout, chunk_size=int(info["chunk_size"]))
-    w = LayerwiseWorker(client, 31, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    w = EnginePlacement(client, 31, engine.layout, local_regions=engine.regions,
                         registration_layout=area.layout, pool_writable=True)
     w.register()
     yield w, engine
@@ -40,11 +41,11 @@ def test_a_committed_store_is_found_and_loads_byte_exact(client, worker):
     w, engine = worker
     prompt = random_prompt(TOKENS, seed=41)
     src = computed(engine, prompt)
-    reply = w.store_to_pool(CacheKey.for_tokens("s1", prompt, model="m"), [src])
+    reply = w.store(CacheKey.for_tokens("s1", prompt, model="m"), [src])
     assert reply == {"stored_tokens": TOKENS, "skipped_tokens": 0}
     st = w.last_store  # the store's way through its steps, for benchmarks/transfer.py
     assert st.request_id == "s1" and st.started_at <= st.reserved_at <= st.copied_at <= st.committed_at
-    again = w.store_to_pool(CacheKey.for_tokens("s1b", prompt, model="m"), [src])
+    again = w.store(CacheKey.for_tokens("s1b", prompt, model="m"), [src])
     assert again == {"stored_tokens": 0, "skipped_tokens": TOKENS}, "what is stored is skipped"
     key, dst = lookup_into_fresh_blocks(client, engine, "l1", prompt)
     w.submit_retrieve("l1", key, [dst], layers_per_slice=4)
@@ -85,7 +86,7 @@ def test_a_failed_copy_drops_the_reservation(client, worker):
     copier.gather = failing_gather  # the failure path: the copy itself raises
     try:
         with pytest.raises(Broken):
-            w.store_to_pool(CacheKey.for_tokens("s3", prompt, model="m"), [src])
+            w.store(CacheKey.for_tokens("s3", prompt, model="m"), [src])
     finally:
         del copier.gather
     assert client.lookup(CacheKey.for_tokens("peek3", prompt, model="m")) == 0, "nothing half-written is kept"
@@ -95,7 +96,7 @@ def test_reservations_are_refused_for_server_placement_and_other_connections(cli
     prompt = random_prompt(TOKENS, seed=44)
     key = CacheKey.for_tokens("s4", prompt, model="m")
     engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
-    server_side = LayerwiseWorker(client, 32, engine.layout)
+    server_side = ServerPlacement(client, 32, engine.layout)
     try:
         server_side.register()
         with pytest.raises(RemoteError, match="server placement"):
@@ -117,7 +118,7 @@ def test_reservations_are_refused_for_server_placement_and_other_connections(cli
 def test_unregistering_the_instance_drops_its_reservations(client):
     engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=int(client.server_info()["chunk_size"]))
-    w = LayerwiseWorker(client, 33, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    w = EnginePlacement(client, 33, engine.layout, local_regions=engine.regions,
                         registration_layout=area.layout, pool_writable=True)
     try:
         w.register()
@@ -143,7 +144,7 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
     with ServerProcess(l1_bytes=2 * chunk_bytes, chunk_size=64, extra_args=["--max-reserved-fraction", "1"]) as small:
         client = CacheClient(small.address, timeout=20.0)
         area = RegistrationArea(engine.layout, chunk_size=64)
-        w = LayerwiseWorker(client, 34, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+        w = EnginePlacement(client, 34, engine.layout, local_regions=engine.regions,
                             registration_layout=area.layout, pool_writable=True)
         try:
             w.register()
@@ -154,7 +155,7 @@ def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_
             assert [o[3] for o in reply["objects"]] == [0, 64], "the first two chunks fit, in prompt order"
             assert "L1 pool full" in reply["full"], reply["full"]
             client.commit_store(reply["reservation"], False)
-            assert w.store_to_pool(CacheKey.for_tokens("s6b", prompt, model="m"), [src]) == \
+            assert w.store(CacheKey.for_tokens("s6b", prompt, model="m"), [src]) == \
                 {"stored_tokens": 128, "skipped_tokens": 0}
             dst_key, dst = lookup_into_fresh_blocks(client, engine, "l6", prompt[:128])
             w.submit_retrieve("l6", dst_key, [dst], layers_per_slice=4)
@@ -176,7 +177,7 @@ def test_a_store_reserved_ahead_of_the_forward_copies_into_that_reservation(clie
     ahead = w.reserve_store(key)
     src = computed(engine, prompt)  # the forward that computes the blocks, while the reservation is made
     assert client.lookup(CacheKey.for_tokens("peek7", prompt, model="m")) == 0, "a reservation is not a hit"
-    assert w.store_to_pool(key, [src], reservation=ahead) == {"stored_tokens": TOKENS, "skipped_tokens": 0}
+    assert w.store(key, [src], reservation=ahead) == {"stored_tokens": TOKENS, "skipped_tokens": 0}
     assert w.last_store.reserved_ahead
     dst_key, dst = lookup_into_fresh_blocks(client, engine, "l7", prompt)
     w.submit_retrieve("l7", dst_key, [dst], layers_per_slice=2)
@@ -191,7 +192,7 @@ def test_a_reservation_no_store_uses_is_given_back(client, worker):
     w.drop_reservation(w.reserve_store(CacheKey.for_tokens("s8", prompt, model="m")))
     assert client.server_info()["l1"]["free_bytes"] == free_before
     src = computed(engine, prompt)
-    assert w.store_to_pool(CacheKey.for_tokens("s8b", prompt, model="m"), [src]) == \
+    assert w.store(CacheKey.for_tokens("s8b", prompt, model="m"), [src]) == \
         {"stored_tokens": TOKENS, "skipped_tokens": 0}, "nothing of the dropped reservation is left"
 
 
@@ -202,7 +203,7 @@ def test_block_ids_that_do_not_fit_refuse_a_store_reserved_ahead_and_give_its_ob
     free_before = client.server_info()["l1"]["free_bytes"]
     ahead = w.reserve_store(key)
     with pytest.raises(ValueError):
-        w.store_to_pool(key, [[engine.layout.num_blocks + 5] * (TOKENS // 16)], reservation=ahead)
+        w.store(key, [[engine.layout.num_blocks + 5] * (TOKENS // 16)], reservation=ahead)
     assert client.server_info()["l1"]["free_bytes"] == free_before
     assert client.lookup(CacheKey.for_tokens("peek9", prompt, model="m")) == 0
 

@@ -9,8 +9,8 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
 from kvstrata.core.testing.slice_hold import SliceHold
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
-from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
 
 from helpers import SMALL_32, engine_loop, random_prompt, release_of, store_prompt
 
@@ -28,7 +28,7 @@ def test_server_killed_mid_retrieve_reports_failure_and_next_retrieve_works(tmp_
     srv = ServerProcess(address=address, l1_bytes=64 << 20, chunk_size=64, slice_hold=hold).start()
     client = CacheClient(address, timeout=5.0)
     # the layer wait (1 s, from the release) fails it before the retrieve timeout (4 s, from the submit) would
-    worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=1.0, retrieve_timeout=4.0)
+    worker = ServerPlacement(client, 0, engine.layout, layer_wait_timeout=1.0, retrieve_timeout=4.0)
     try:
         worker.register()
         prompt = random_prompt(tokens, seed=3)
@@ -76,7 +76,7 @@ def test_a_slot_never_advanced_times_out_and_is_reported(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="kvstrata")
     engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
     client = CacheClient(f"ipc://{tmp_path}/nobody.sock", timeout=1.0)
-    worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=0.5, retrieve_timeout=1.0)
+    worker = ServerPlacement(client, 0, engine.layout, layer_wait_timeout=0.5, retrieve_timeout=1.0)
     try:
         key = CacheKey.for_tokens("orphan", list(range(64)), model="m")
         worker.submit_retrieve("orphan", key, [[0, 1, 2, 3]], layers_per_slice=1)
@@ -94,7 +94,7 @@ def test_exhausted_pool_runs_chunk_major_logs_once_and_stays_correct(client, cap
     caplog.set_level(logging.WARNING, logger="kvstrata")
     tokens = 128
     engine = ReferenceEngine(SMALL_32, num_blocks=40, block_size=16)
-    worker = LayerwiseWorker(client, 0, engine.layout, pool_slots=1)
+    worker = ServerPlacement(client, 0, engine.layout, pool_slots=1)
     try:
         worker.register()
         prompt = random_prompt(tokens, seed=4)
@@ -127,7 +127,7 @@ def test_server_side_failure_marks_the_board_failed_and_releases(client):
     """A retrieve the server rejects (bad block ids) comes back failed at once, not after a timeout: the
     worker's timeouts are longer than the release is waited for."""
     engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
-    worker = LayerwiseWorker(client, 0, engine.layout, layer_wait_timeout=NEVER, retrieve_timeout=NEVER)
+    worker = ServerPlacement(client, 0, engine.layout, layer_wait_timeout=NEVER, retrieve_timeout=NEVER)
     try:
         worker.register()
         prompt = random_prompt(64, seed=5)
@@ -167,7 +167,7 @@ def test_a_worker_placement_failure_is_reported_when_its_copy_stops_while_the_en
     read twice, once to report and once to settle, and a copy that stopped in between settled unreported)."""
     tokens = 128
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-    worker = LayerwiseWorker(client, 12, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    worker = EnginePlacement(client, 12, engine.layout, local_regions=engine.regions,
                              layer_wait_timeout=0.5, retrieve_timeout=NEVER)
     hold = SliceHold(tmp_path / "hold")
     hold.hold("stalled", after_slices=1)

@@ -10,7 +10,9 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
+from kvstrata.core.engine.choose_placement import make_placement
 
 from kvstrata.core.testing.slice_hold import SliceHold
 
@@ -24,7 +26,7 @@ WIDTHS = [1, 2, 3, 8, 32]
 def test_every_width_retrieves_byte_exact_into_its_own_range(client, placement):
     tokens = 160
     engine = ReferenceEngine(SMALL_32, num_blocks=(len(WIDTHS) + 2) * 10 + 4, block_size=16)
-    worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
+    worker = make_placement(placement, client, 0, engine.layout, local_regions=engine.regions)
     try:
         worker.register()
         prompt = random_prompt(tokens)
@@ -61,7 +63,7 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement, tm
                                            else contextlib.nullcontext()):
         client = CacheClient(srv.address)
         engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-        worker = LayerwiseWorker(client, 0, engine.layout, placement=placement, local_regions=engine.regions)
+        worker = make_placement(placement, client, 0, engine.layout, local_regions=engine.regions)
         try:
             worker.register()
             prompt = random_prompt(tokens, seed=1)
@@ -98,7 +100,7 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
     engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
     hybrid = dataclasses.replace(engine.layout, layer_groups=(tuple(range(16)), tuple(range(16, 32))))
     board = ArrivalBoard.create(1)
-    worker = LayerwiseWorker(client, 0, hybrid)
+    worker = ServerPlacement(client, 0, hybrid)
     try:
         worker.register()
         prompt = random_prompt(tokens, seed=6)
@@ -138,7 +140,7 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
         proxy = RecordingProxy(srv.address).start()
         client = CacheClient(proxy.address)
         engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-        worker = LayerwiseWorker(client, 0, engine.layout, pool_slots=1)
+        worker = ServerPlacement(client, 0, engine.layout, pool_slots=1)
         try:
             worker.register()
             prompt = random_prompt(tokens, seed=3)
@@ -175,7 +177,7 @@ def test_a_worker_placement_copy_stops_before_its_failure_is_reported(client, tm
     hold = SliceHold(tmp_path / "hold")
     hold.hold("stall", after_slices=1)
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 2, block_size=16)
-    worker = LayerwiseWorker(client, 7, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    worker = EnginePlacement(client, 7, engine.layout, local_regions=engine.regions,
                              layer_wait_timeout=0.3)
     try:
         with hold.installed():

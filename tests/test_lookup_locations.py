@@ -14,12 +14,11 @@ import time
 
 import pytest
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from helpers import SMALL_32, engine_loop, random_prompt, store_prompt
 
@@ -40,7 +39,7 @@ def engine(client):
 @pytest.fixture
 def worker(client, engine):
     area = RegistrationArea(engine.layout, chunk_size=int(client.server_info()["chunk_size"]))
-    w = LayerwiseWorker(client, WORKER_ID, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    w = EnginePlacement(client, WORKER_ID, engine.layout, local_regions=engine.regions,
                         registration_layout=area.layout)
     w.register()
     yield w
@@ -115,7 +114,7 @@ def test_locations_that_do_not_fit_this_cache_are_not_used(client, engine, worke
     other_shape = dataclasses.replace(located, shape=(2, 16, 2, 32))
     dst = engine.allocate(TOKENS)
     engine.clear(dst)
-    with caplog.at_level("INFO", logger="kvstrata.core.engine.layerwise_worker"):
+    with caplog.at_level("INFO", logger="kvstrata.core.engine.engine_placement"):
         worker.submit_retrieve("loc-3", key, [dst], layers_per_slice=4, located=other_shape)
     assert "do not fit this cache" in caplog.text
     engine_loop(worker, "loc-3", SMALL_32.num_layers)

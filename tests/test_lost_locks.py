@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.server.cache_server import CacheServer
@@ -67,11 +68,11 @@ def held_load(server: CacheServer, tmp_path, placement: str, instance: int, seed
     assert client.store(CacheKey.for_tokens("src", prompt, model="m"), instance + 1, [src])["stored_tokens"] == TOKENS
     if placement == PLACEMENT_ENGINE:
         area = RegistrationArea(engine.layout, chunk_size=64)
-        worker = LayerwiseWorker(client, instance, engine.layout, placement=PLACEMENT_ENGINE,
-                                 local_regions=engine.regions, registration_layout=area.layout)
+        worker = EnginePlacement(client, instance, engine.layout, local_regions=engine.regions,
+                                 registration_layout=area.layout)
     else:
         area = None
-        worker = LayerwiseWorker(client, instance, engine.layout, pool_slots=2)
+        worker = ServerPlacement(client, instance, engine.layout, pool_slots=2)
     worker.register()
     key = CacheKey.for_tokens(f"lost@i{instance}", prompt, model="m")
     reply = client.transport.call(RequestType.LOOKUP, [key.to_wire()])

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.core.arrival.board import ArrivalBoard
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.server_process import ServerProcess
@@ -40,7 +40,7 @@ def metered():
 def test_counters_match_what_was_stored_looked_up_and_retrieved(metered) -> None:
     srv, client, port = metered
     engine = ReferenceEngine(SMALL_32, num_blocks=32, block_size=16)
-    worker = LayerwiseWorker(client, 0, engine.layout)
+    worker = ServerPlacement(client, 0, engine.layout)
     per_token = engine.layout.object_bytes(1)
     try:
         worker.register()

@@ -21,7 +21,7 @@ from kvstrata.core.wire.rings import Mailbox, RingError, SlotRing
 from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, new_segment_name
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server, _Peer
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.server_placement import ServerPlacement
 
 from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, store_prompt
 from test_transport import handler_of, started_server
@@ -191,7 +191,7 @@ def test_an_unknown_ring_setting_is_refused():
 def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, monkeypatch):
     client = CacheClient(server.address, timeout=20.0)
     engine = ReferenceEngine(SMALL_32, num_blocks=64, block_size=16)
-    worker = LayerwiseWorker(client, 41, engine.layout)  # this module's shared client holds instance 0
+    worker = ServerPlacement(client, 41, engine.layout)  # this module's shared client holds instance 0
     try:
         clients_before = client.server_info()["rings"]["clients"]  # the module shares the server
         worker.register()
@@ -223,21 +223,22 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
 def test_an_engine_placement_worker_attaches_no_rings_unless_asked(server):
     """Engine placement leaves the rings off by default (they did not shorten first-token time there);
     ``shm_rings=True`` still attaches them, and server placement attaches them by default."""
+    from kvstrata.core.engine.choose_placement import make_placement
     from kvstrata.core.engine.registration_area import RegistrationArea
-    from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
+    from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PLACEMENT_SERVER
 
     engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=64)
-    worker_placement = {"placement": PLACEMENT_ENGINE, "local_regions": engine.regions,
-                        "registration_layout": area.layout}
+    worker_placement = {"local_regions": engine.regions, "registration_layout": area.layout}
     clients, workers = [], []
     try:
-        for instance, options, attached in ((42, worker_placement, False),
-                                            (43, {**worker_placement, "shm_rings": True}, True),
-                                            (44, {}, True)):  # server placement
+        for instance, placement, options, attached in ((42, PLACEMENT_ENGINE, worker_placement, False),
+                                                       (43, PLACEMENT_ENGINE, {**worker_placement, "shm_rings": True},
+                                                        True),
+                                                       (44, PLACEMENT_SERVER, {}, True)):
             client = CacheClient(server.address, timeout=20.0)
             clients.append(client)
-            worker = LayerwiseWorker(client, instance, engine.layout, **options)
+            worker = make_placement(placement, client, instance, engine.layout, **options)
             workers.append(worker)
             worker.register()
             assert (client.transport.reply_ring is not None) == attached, instance

@@ -6,14 +6,13 @@ import time
 import pytest
 
 from kvstrata.core.arrival.events import HostCopier, HostEventBackend
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.transfer_queue import (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN, QueuedLoad,
                                                  slice_order)
 from kvstrata.core.testing.reference_engine import ReferenceEngine
 from kvstrata.core.testing.slice_hold import SliceHold
 from kvstrata.core.transfer import planner
-from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 
 from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
 
@@ -65,7 +64,7 @@ def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, pol
     hold = SliceHold(tmp_path / "hold")
     hold.hold("first", after_slices=0)
     engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
-    worker = LayerwiseWorker(client, 11, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    worker = EnginePlacement(client, 11, engine.layout, local_regions=engine.regions,
                              transfer_queue_policy=policy)
     enqueued: list[str] = []
     try:
@@ -169,7 +168,7 @@ def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_laye
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
     slice_bytes = engine.layout.kv_size * tokens * engine.layout.token_bytes_per_layer
     backend = _GatedBackend()
-    worker = LayerwiseWorker(client, 13, engine.layout, placement=PLACEMENT_ENGINE, local_regions=engine.regions,
+    worker = EnginePlacement(client, 13, engine.layout, local_regions=engine.regions,
                              event_backend=backend, enqueue_ahead_bytes=3 * slice_bytes)
     published: list[int] = []
     previous_hook = planner._slice_hook

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from kvstrata.core.store.keys import CacheKey, pack_tokens
+from kvstrata.core.transfer.block_table import BlockTable
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ class LoadSpec:
     """The engine's own id, which the worker side hands back when the request is released."""
     tokens: bytes
     salt: str | None
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: BlockTable
+    """The engine's blocks, one tuple per KV group (given as any sequence of sequences: made a
+    :class:`BlockTable` here, once, and passed on as it is from then on)."""
     skip: int
     layers_per_slice: int
     page_hashes: tuple[str, ...] | None = None
@@ -129,6 +132,9 @@ class LoadSpec:
     attempt: int = 0
     """Which lookup of the request this load belongs to (its locks' owner is :func:`lock_owner` of it): 0
     unless the engine admitted the request again after an earlier lookup of it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", BlockTable(self.block_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -144,11 +150,15 @@ class StoreSpec:
     request_id: str
     tokens: bytes
     salt: str | None
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: BlockTable
+    """As in :class:`LoadSpec`: made a :class:`BlockTable` here, once."""
     skip: int
     page_hashes: tuple[str, ...] | None = None
     """As in :class:`LoadSpec`: the engine's page-hash chain instead of ``tokens``."""
     page_size: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", BlockTable(self.block_ids))
 
 
 _ATTEMPT_SUFFIX = re.compile(r"@a[0-9]+\Z")

@@ -38,6 +38,7 @@ from kvstrata.core.engine.requests import (ChunkLocations, LoadSpec, PromptReque
                                            shard_keys)
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import pack_tokens
+from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
@@ -182,7 +183,7 @@ class SchedulerRuntime:
         located = tuple(loc.covering(hit.tokens) if loc is not None else None for loc in hit.located)
         self._pending_loads.append(LoadSpec(
             rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
-            tuple(tuple(int(b) for b in g) for g in block_ids), hit.local, self.settings.layers_per_slice,
+            BlockTable(block_ids), hit.local, self.settings.layers_per_slice,
             located=located if any(loc is not None for loc in located) else None, attempt=hit.attempt))
         self._loads_planned[rid] = hit.attempt
 
@@ -219,7 +220,7 @@ class SchedulerRuntime:
             skip = (hit // chunk) * chunk  # what the store already holds: only the rest is sent
             if n <= skip:
                 continue
-            blocks = tuple(tuple(int(b) for b in list(g)[: n // bs]) for g in block_ids_of(s.engine_request_id))
+            blocks = BlockTable.prefix(block_ids_of(s.engine_request_id), n // bs)
             out.append(StoreSpec(rid, pack_tokens(list(request.token_ids[:n])), request.salt, blocks, skip))
         return out
 

@@ -1,6 +1,6 @@
 """Engine placement: this engine process's one transfer queue for its loads.
 
-In the worker (engine-placement) placement the server only locks and locates the
+In engine placement (:mod:`kvstrata.core.engine.engine_placement`) the server only locks and locates the
 chunks; this process copies them from the server's L1 pool into its own cache.
 Every load of the process goes through one :class:`TransferQueue`, so the order
 in which the slices of concurrent loads reach the copy engine is a decision, made
@@ -46,6 +46,7 @@ from kvstrata.core.arrival.gate import LayerArrivalGate
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import generations_unchanged
 from kvstrata.core.transfer import planner
+from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
@@ -93,7 +94,7 @@ class QueuedLoad:
     """One load on its way through the queue (compared by identity: two loads are never the same load)."""
 
     key: CacheKey
-    block_ids: list[list[int]]
+    block_ids: BlockTable
     skip_first_n_tokens: int
     layers_per_slice: int
     gate: LayerArrivalGate

@@ -31,16 +31,16 @@ from concurrent.futures import Future
 from typing import Any, Iterable, NamedTuple
 
 from kvstrata.core.adapter_api.plugins import Adapter
-from kvstrata.core.adapter_api.types import KVCacheDescription, NotSupported
+from kvstrata.core.adapter_api.types import KVCacheDescription
 from kvstrata.core.arrival.events import EventBackend
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.choose_placement import choose_placement, make_placement
+from kvstrata.core.engine.placement import Placement
 from kvstrata.core.engine.record import EventRecord
-from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
-from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
-from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
-from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.engine.registration_area import RegistrationArea
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
+from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
+from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
@@ -76,12 +76,13 @@ class WorkerRuntime:
         self.client = CacheClient(settings.server_address, timeout=settings.retrieve_timeout,
                                   **settings.client_options())
         self.record = EventRecord(settings.record_path)
-        self.transfers: LayerwiseWorker | None = None
-        """The transfer machinery, once registered with the server (None while it is unreachable)."""
+        self.transfers: Placement | None = None
+        """The placement that copies this cache's loads and stores, once registered with the server (None while
+        it is unreachable)."""
         self.description: KVCacheDescription | None = None
         self.placement: str | None = None
+        """The placement's name, chosen once by :meth:`register`."""
         self.event_backend: EventBackend | None = None
-        self.registration_area: RegistrationArea | None = None
         self._engine_ids: dict[str, Any] = {}
         self._released: set[str] = set()
         self._finished_unreleased: set[str] = set()
@@ -101,46 +102,11 @@ class WorkerRuntime:
 
     def register(self, kv_caches: Any) -> None:
         """Describe the engine's cache (the adapter's hooks), then connect if the server answers."""
-        self.placement, self.description = self._describe(kv_caches)
+        self.placement, self.description = choose_placement(self.adapter, self.settings.placement, kv_caches)
         self.event_backend = self.adapter.event_backend(self.description.device)
         if not self._connect() and self._refused is None:  # a refusal was logged with the server's reason
             log.warning("kvstrata server %s is not reachable; the engine computes every prompt until it is "
                         "(retrying every %.0fs)", self.settings.server_address, RECONNECT_INTERVAL)
-
-    def _describe(self, kv_caches: Any) -> tuple[str, KVCacheDescription]:
-        wanted = self.settings.placement
-        supported = self.adapter.info.placements
-        if wanted != PLACEMENT_AUTO:
-            if wanted not in supported:
-                raise ValueError(f"placement {wanted!r}: adapter {self.adapter.name!r} supports {supported}")
-            return wanted, self.adapter.describe_kv_cache(kv_caches, wanted)
-        reasons = []
-        if PLACEMENT_ENGINE in supported:
-            # A GPU cache: the engine's own copies, which its compute does not time-slice the way a server
-            # process's kernels are (benchmarks/ttft.py). A CPU cache: the server's copies, if it can open it.
-            try:
-                described = self.adapter.describe_kv_cache(kv_caches, PLACEMENT_ENGINE)
-            except NotSupported as exc:
-                reasons.append(f"{PLACEMENT_ENGINE}: {exc}")
-            else:
-                if described.device.startswith("cuda"):
-                    log.info("kvstrata placement worker (placement auto: a %s cache is loaded and stored by "
-                             "this process's own copies)", described.device)
-                    return PLACEMENT_ENGINE, described
-        for placement in (PLACEMENT_SERVER, PLACEMENT_ENGINE):
-            if placement not in supported:
-                continue
-            try:
-                described = self.adapter.describe_kv_cache(kv_caches, placement)
-            except NotSupported as exc:
-                if not any(r.startswith(f"{placement}:") for r in reasons):
-                    reasons.append(f"{placement}: {exc}")
-                continue
-            if reasons:
-                log.info("kvstrata placement %s (placement auto; %s)", placement, "; ".join(reasons))
-            return placement, described
-        raise NotSupported(f"adapter {self.adapter.name!r} cannot describe this cache for any placement: "
-                           + "; ".join(reasons))
 
     def connect(self) -> bool:
         """Registered with the server, or registering now (at most every RECONNECT_INTERVAL seconds)?
@@ -162,21 +128,15 @@ class WorkerRuntime:
         s, d = self.settings, self.description
         transfers = None
         try:
-            registration = None
-            if self.placement == PLACEMENT_ENGINE:
-                info = self.client.transport.call(RequestType.SERVER_INFO, [], timeout=s.lookup_timeout)
-                self.registration_area = self.registration_area or RegistrationArea(
-                    d.layout, chunk_size=int(info["chunk_size"]))
-                registration = self.registration_area.layout
-            transfers = LayerwiseWorker(
-                self.client, self.instance_id, d.layout, placement=self.placement, event_backend=self.event_backend,
-                local_regions=list(d.local_regions) if self.placement == PLACEMENT_ENGINE else None,
-                registration_layout=registration, pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
+            transfers = make_placement(
+                self.placement, self.client, self.instance_id, d.layout, event_backend=self.event_backend,
+                local_regions=d.local_regions, own_registration_area=True, setup_timeout=s.lookup_timeout,
+                pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
                 retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy,
                 pool_writable=s.store)
             transfers.register()
         except Exception as exc:
-            if transfers is not None:  # its arrival slots or copy threads: the next try builds new ones
+            if transfers is not None:  # its arrival slots, copy threads or area: the next try builds new ones
                 try:
                     transfers.close()
                 except Exception as again:  # noqa: BLE001 - what it held is lost either way
@@ -221,6 +181,11 @@ class WorkerRuntime:
         return True
 
     @property
+    def registration_area(self) -> RegistrationArea | None:
+        """What an engine-placement cache registered in its stead (None otherwise, or while unregistered)."""
+        return self.transfers.registration_area if self.transfers is not None else None
+
+    @property
     def layout(self) -> Any:
         return self.description.layout if self.description else None
 
@@ -244,7 +209,7 @@ class WorkerRuntime:
         if loads and not self._connect():
             for spec in loads:  # the server went away after the lookup: the engine recomputes these
                 self._unloadable[spec.request_id] = (
-                    [list(g) for g in spec.block_ids],
+                    spec.block_ids.as_lists(),
                     "server not reachable" if self._refused is None else f"registration refused: {self._refused}")
             return
         for spec in loads:
@@ -365,16 +330,17 @@ class WorkerRuntime:
     # --- stores ------------------------------------------------------------------------
 
     def reserve_stores(self, stores: Iterable[StoreSpec]) -> None:
-        """Before the forward that computes these prompts: in engine placement, send their RESERVE_STOREs now
-        and return at once, so the round trip runs during the forward and :meth:`store` only copies and
-        commits. Elsewhere (server placement, not connected yet) nothing: :meth:`store` does it all.
+        """Before the forward that computes these prompts: where the placement reserves ahead (engine
+        placement), send their RESERVE_STOREs now and return at once, so the round trip runs during the forward
+        and :meth:`store` only copies and commits. Elsewhere (server placement, not connected yet) nothing:
+        :meth:`store` does it all.
 
         Call it every step, with the same specs :meth:`store` gets after the forward (an engine without a step
         hook calls it right before it waits for the forward's writes: SGLang's offloads). Reserved objects are
         locked in the server's pool, so a reservation no store used is given back: when the same request
         reserves again, once :data:`UNUSED_RESERVATION_STEPS` more steps have reserved (a forward that
         raised, say), and at :meth:`close`. One a store has taken is never given back under it."""
-        if self.placement != PLACEMENT_ENGINE or self.transfers is None or not self.settings.store:
+        if self.transfers is None or not self.transfers.reserves_ahead or not self.settings.store:
             return
         self._reserve_steps += 1
         step = self._reserve_steps
@@ -415,8 +381,7 @@ class WorkerRuntime:
         stores = list(stores)
         if not stores or not self._connect():
             return
-        if self.placement != PLACEMENT_ENGINE:  # engine placement orders its copies after them itself
-            self.event_backend.wait_for_engine_writes()  # the forward's writes must have landed
+        self.transfers.prepare_stores()  # server placement: the forward's writes must have landed
         for spec in stores:
             with self._reservations_lock:
                 ahead = self._reservations.pop(spec.request_id, None)
@@ -446,12 +411,8 @@ class WorkerRuntime:
 
     def _store_one(self, spec: StoreSpec, ahead: _AheadReservation | None) -> dict[str, Any]:
         """One STORE; ``ahead``: the reservation :meth:`reserve_stores` sent for it."""
-        if self.placement == PLACEMENT_ENGINE:
-            key, reservation = (ahead.key, ahead.reply) if ahead is not None else (self._shard_key(spec), None)
-            return self.transfers.store_to_pool(key, spec.block_ids, skip_first_n_tokens=spec.skip,
-                                                reservation=reservation)
-        return self.client.store(self._shard_key(spec), self.instance_id, [list(g) for g in spec.block_ids],
-                                 skip_first_n_tokens=spec.skip)
+        key, reservation = (ahead.key, ahead.reply) if ahead is not None else (self._shard_key(spec), None)
+        return self.transfers.store(key, spec.block_ids, skip_first_n_tokens=spec.skip, reservation=reservation)
 
     def take_stats(self) -> RuntimeStats:
         """The engine-side numbers since the last call (an engine's stats interval)."""
@@ -476,7 +437,5 @@ class WorkerRuntime:
                                            timeout=self.settings.lookup_timeout)
             except Exception as exc:  # the server is gone or restarted: nothing of ours is left to free
                 log.debug("unregistering instance %d at shutdown: %s", self.instance_id, exc)
-        if self.registration_area is not None:
-            self.registration_area.close()
         self.client.close()
         self.record.close()

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from kvstrata.core.shm import proof_of
 from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType, chunk_major_retrieve_tail
 from kvstrata.core.wire.transport import Client, RingSetting
@@ -26,16 +27,7 @@ def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[
         tail = list(chunk_major_retrieve_tail())
     else:
         tail = [arrival_board, layer_event_handles, layers_per_slice]
-    return [key.to_wire(), instance_id, _int_lists(block_ids), event_handle, skip_first_n_tokens, *tail]
-
-
-def _int_lists(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Block ids as lists of plain ints, the only form the wire takes.
-
-    Lists that already are (LayerwiseWorker makes them) are sent as they are:
-    converting thousands of block ids again costs more than checking their types.
-    """
-    return [g if type(g) is list and set(map(type, g)) <= {int} else list(map(int, g)) for g in block_ids]
+    return [key.to_wire(), instance_id, BlockTable(block_ids), event_handle, skip_first_n_tokens, *tail]
 
 
 class CacheClient:
@@ -80,7 +72,7 @@ class CacheClient:
                     skip_first_n_tokens: int = 0, event_handle: bytes | None = None) -> Future:
         return self.transport.submit(
             RequestType.STORE,
-            [key.to_wire(), instance_id, _int_lists(block_ids), event_handle, skip_first_n_tokens],
+            [key.to_wire(), instance_id, BlockTable(block_ids), event_handle, skip_first_n_tokens],
             validate=False,  # built here from typed values; the server validates
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
@@ -34,7 +34,7 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
     client = CacheClient(gpu_server.address, timeout=60.0)
     area = RegistrationArea(cache.layout, chunk_size=int(client.server_info()["chunk_size"]))
     iid = next_instance_id()
-    worker = LayerwiseWorker(client, iid, cache.layout, placement="engine", event_backend=CudaEventBackend("cuda:0"),
+    worker = EnginePlacement(client, iid, cache.layout, event_backend=CudaEventBackend("cuda:0"),
                              local_regions=cache.region_tensors(), registration_layout=area.layout,
                              pool_writable=True)
     try:
@@ -45,7 +45,7 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
         truth = cache.random_kv(TOKENS, seed=seed)
         src = shuffled_blocks(0, nb, seed=seed)
         cache.write(truth, src)  # enqueued on the current stream: the store's copies are ordered after it
-        stored = worker.store_to_pool(CacheKey.for_tokens(f"store-{iid}", prompt, model=fmt), [src])
+        stored = worker.store(CacheKey.for_tokens(f"store-{iid}", prompt, model=fmt), [src])
         assert stored == {"stored_tokens": TOKENS, "skipped_tokens": 0}
         cache.poison(src)  # the source is gone; only the L1 copy can fill the destinations
 

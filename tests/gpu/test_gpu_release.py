@@ -13,7 +13,8 @@ import torch
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.engine_placement import EnginePlacement
+from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.requests import ChunkLocations
 
 from gpu_helpers import release_then_read, shuffled_blocks
@@ -43,11 +44,11 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             from kvstrata.core.engine.registration_area import RegistrationArea
 
             area = RegistrationArea(cache.layout, chunk_size=CHUNK)
-            worker = LayerwiseWorker(client, 0, cache.layout, placement="engine", event_backend=backend,
+            worker = EnginePlacement(client, 0, cache.layout, event_backend=backend,
                                      local_regions=cache.region_tensors(), registration_layout=area.layout,
                                      pool_writable=True)
         else:
-            worker = LayerwiseWorker(client, 0, cache.layout, event_backend=backend)
+            worker = ServerPlacement(client, 0, cache.layout, event_backend=backend)
         try:
             worker.register()
             prompt = torch.randint(0, 32000, (TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -56,7 +57,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
             cache.write(truth, src)
             store_key = CacheKey.for_tokens("store", prompt, model="llama")
             if placement == "engine":
-                assert worker.store_to_pool(store_key, [src])["stored_tokens"] == TOKENS
+                assert worker.store(store_key, [src])["stored_tokens"] == TOKENS
             else:
                 assert client.store(store_key, 0, [src],
                                     event_handle=backend.store_event_handle())["stored_tokens"] == TOKENS

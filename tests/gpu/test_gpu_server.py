@@ -21,7 +21,7 @@ import torch
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.server_placement import ServerPlacement
 
 from gpu_helpers import FORMAT_CASES, WIDTHS, next_instance_id, release_then_read, shuffled_blocks
 
@@ -45,7 +45,7 @@ def test_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
     backend = CudaEventBackend("cuda:0")
     client = CacheClient(gpu_server.address, timeout=60.0)
     iid = next_instance_id()
-    worker = LayerwiseWorker(client, iid, cache.layout, event_backend=backend)
+    worker = ServerPlacement(client, iid, cache.layout, event_backend=backend)
     try:
         reply = worker.register()
         assert reply["device"] == "cuda:0"

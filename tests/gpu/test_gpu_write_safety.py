@@ -10,7 +10,7 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import Region, blocks_layout
 from kvstrata.core.wire.transport import RemoteError
-from kvstrata.core.engine.layerwise_worker import LayerwiseWorker
+from kvstrata.core.engine.server_placement import ServerPlacement
 
 from gpu_helpers import next_instance_id, release_then_read, shuffled_blocks
 
@@ -46,7 +46,7 @@ def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
     backend = CudaEventBackend("cuda:0")
     client = CacheClient(gpu_server.address, timeout=60.0)
     iid = next_instance_id()
-    worker = LayerwiseWorker(client, iid, cache.layout, event_backend=backend)
+    worker = ServerPlacement(client, iid, cache.layout, event_backend=backend)
     board = ArrivalBoard.create(1)
     try:
         worker.register()

@@ -1,0 +1,258 @@
+"""Engine placement: this engine process copies between its own cache and the server's L1 pool.
+
+The server only locks and locates the chunks. At registration this process maps the server's pool (read-only,
+or writable when it stores) and, on a GPU, registers it for DMA once, off the request path. A load starts from
+where its LOOKUP found the locked chunks (``LoadSpec.located``), checked against this cache's shape; only a
+load without such locations sends a RETRIEVE, which then just locates them, from the engine's thread. Every
+load of the process goes through its one :class:`~kvstrata.core.engine.transfer_queue.TransferQueue`, which
+records each slice straight into the load's gate and frees the lookup locks once the copies have run.
+
+A STORE is RESERVE_STORE (sent before the forward where the engine has a step hook:
+:meth:`EnginePlacement.reserve_store`), this process's copies into the reserved objects, then COMMIT_STORE once
+they landed, so no half-written object is ever visible. The server is told a small
+:class:`~kvstrata.core.engine.registration_area.RegistrationArea` of the cache's geometry instead of the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvstrata.core.arrival.events import EventBackend, LocalCopier
+from kvstrata.core.arrival.gate import LayerArrivalGate
+from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord, StoreRecord
+from kvstrata.core.engine.registration_area import RegistrationArea
+from kvstrata.core.engine.requests import ChunkLocations
+from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
+                                                 QueuedLoad, TransferQueue)
+from kvstrata.core.shm import Segment
+from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.block_table import BlockTable
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PagedKVLayout
+from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
+
+log = logging.getLogger(__name__)
+
+
+class EnginePlacement(Placement):
+    name = PLACEMENT_ENGINE
+    reserves_ahead = True
+
+    def __init__(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
+                 local_regions: Sequence[torch.Tensor], event_backend: EventBackend | None = None,
+                 release_after_layers: int = 1, layer_wait_timeout: float = 10.0, retrieve_timeout: float = 120.0,
+                 registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
+                 setup_timeout: float | None = None, shm_rings: bool | None = None,
+                 transfer_queue_policy: str = POLICY_EARLIEST_RELEASED, pool_writable: bool = False,
+                 handover_slices: int = HANDOVER_SLICES,
+                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
+        """``local_regions``: the engine cache this process writes (and reads, to store).
+        ``registration_layout``: what the server is told instead of the cache; with ``own_registration_area``
+        this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
+        size, asked with ``setup_timeout``) and removes it at :meth:`close`. ``pool_writable``: map the server's
+        pool writable too, so this process STOREs by copying into objects the server reserved
+        (:meth:`store`); otherwise it is mapped read-only. ``shm_rings``: off by default (None): a load starts
+        from its LOOKUP's locations and sends no RETRIEVE on its path, and with the engine computing the rings did
+        not make its first-token time shorter (``benchmarks/ttft.py``'s ``-rings`` / ``-norings`` arms are the
+        A/B). ``handover_slices``, how many of a released load's
+        slices the engine waits on before the transfer queue enqueues more
+        (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`); ``enqueue_ahead_bytes``, how far it
+        enqueues ahead of the copies that landed (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`;
+        None: every slice at once, the A/B arm)."""
+        if local_regions is None:
+            raise ValueError("engine placement needs local_regions: the engine cache this process writes")
+        if own_registration_area and registration_layout is not None:
+            raise ValueError("give registration_layout or own_registration_area, not both")
+        super().__init__(client, instance_id, layout, event_backend=event_backend,
+                         release_after_layers=release_after_layers, layer_wait_timeout=layer_wait_timeout,
+                         retrieve_timeout=retrieve_timeout, registration_layout=registration_layout,
+                         shm_rings=bool(shm_rings))
+        self.local_regions = list(local_regions)
+        self.pool_writable = pool_writable
+        self.own_registration_area = own_registration_area
+        self.setup_timeout = setup_timeout
+        self.registration_area: RegistrationArea | None = None
+        """The area this placement registers in the cache's stead, when it makes its own."""
+        self.last_store: StoreRecord | None = None
+        """The steps of the last :meth:`store`."""
+        self._l1_pool: Segment | None = None
+        self._generation_segment: Segment | None = None
+        self._generations: np.ndarray | None = None
+        self._l1_tensor: torch.Tensor | None = None
+        self._copier: LocalCopier | None = None
+        self._pool_lock = threading.Lock()
+        self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
+                                    chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
+                                    landed=self._event_backend.landed, generations_for=self._generations_for,
+                                    handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes)
+        self._on_missing_layer = self._queue.hurry
+
+    # --- registration ----------------------------------------------------------------
+
+    def _before_register(self) -> None:
+        if self.own_registration_area and self.registration_area is None:
+            info = self.client.transport.call(RequestType.SERVER_INFO, [], timeout=self.setup_timeout)
+            self.registration_area = RegistrationArea(self.layout, chunk_size=int(info["chunk_size"]))
+            self.registration_layout = self.registration_area.layout
+
+    def _registered(self, reply: dict[str, Any]) -> None:
+        if reply.get("pool"):
+            self._map_l1_pool(reply["pool"])  # and register it for DMA on a GPU: once, off the request path
+
+    # --- loads -----------------------------------------------------------------------
+
+    def _start(self, request_id: str, key: CacheKey, blocks: BlockTable, skip: int, width: int,
+               gate: LayerArrivalGate, record: RetrieveRecord, located: ChunkLocations | None) -> InFlight:
+        # Where the chunks lie comes with the LOOKUP, or from a RETRIEVE sent from this (the engine's) thread:
+        # the queue's thread only waits for the answer.
+        try:
+            self.layout.check_block_ids(blocks, key.num_tokens)
+            reply = self._locate(key, blocks, skip, located, record)
+        except Exception as exc:  # reported through the load, like any other failure
+            reply = Future()
+            reply.set_exception(exc)
+        reply.add_done_callback(lambda _, r=record: setattr(r, "replied_at", time.perf_counter()))
+        fut = self._queue.submit(QueuedLoad(key, blocks, skip, width, gate, record, reply))
+        return InFlight(request_id, blocks, fut, gate, width, record)
+
+    def _locate(self, key: CacheKey, blocks: BlockTable, skip: int, located: ChunkLocations | None,
+                record: RetrieveRecord) -> Future:
+        """Where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its objects fit this cache,
+        else from a RETRIEVE (sent now, from the engine's thread)."""
+        if located is not None:
+            if located.shape == self.layout.shape_signature() and located.num_tokens == key.num_tokens:
+                record.located_by = "lookup"
+                reply: Future = Future()
+                reply.set_result(located.as_retrieve_reply())
+                return reply
+            log.info("request %s: the LOOKUP's chunks (shape %s, %d tokens) do not fit this cache (shape %s, "
+                     "%d tokens); asking RETRIEVE", record.request_id, located.shape, located.num_tokens,
+                     self.layout.shape_signature(), key.num_tokens)
+        record.located_by = "retrieve"
+        return self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
+
+    def _copy_may_write(self, inf: InFlight) -> bool:
+        return not inf.future.done()
+
+    # --- the server's pool -----------------------------------------------------------
+
+    def _map_l1_pool(self, pool: dict[str, Any]) -> torch.Tensor:
+        with self._pool_lock:  # the transfer queue's thread and a storing thread may both ask first
+            return self._map_l1_pool_locked(pool)
+
+    def _map_l1_pool_locked(self, pool: dict[str, Any]) -> torch.Tensor:
+        if self._l1_pool is None or self._l1_pool.name != pool["name"]:
+            seg = Segment.attach(pool["name"], int(pool["size"]), readonly=not self.pool_writable)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only mapping: loads never write through it
+                tensor = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
+            if self._copier is not None:
+                self._copier.close()  # the server restarted with a new pool
+            self._copier = self._event_backend.engine_copier(self.layout, self.local_regions, tensor,
+                                                            writable=self.pool_writable)
+            if self._l1_pool is not None:
+                self._l1_pool.close()
+            self._l1_tensor, self._l1_pool = tensor, seg
+        return self._l1_tensor
+
+    def _generations_for(self, pool: dict[str, Any]) -> np.ndarray:
+        """The generation table of the pool a reply names, mapped read-only (again after a server restart)."""
+        ref = pool["generations"]
+        with self._pool_lock:
+            if self._generation_segment is None or self._generation_segment.name != ref["name"]:
+                seg = Segment.attach(str(ref["name"]), int(ref["slots"]) * 8, readonly=True)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only: this process never writes a word
+                    table = np.frombuffer(seg.buf, dtype=np.uint64, count=int(ref["slots"]))
+                old, self._generation_segment, self._generations = self._generation_segment, seg, table
+                if old is not None:
+                    old.close()
+            return self._generations
+
+    def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
+        with self._pool_lock:
+            self._map_l1_pool_locked(pool)
+            return self._copier
+
+    # --- stores ----------------------------------------------------------------------
+
+    def reserve_store(self, key: CacheKey, skip_first_n_tokens: int = 0) -> Future:
+        """Send RESERVE_STORE now (see :meth:`Placement.reserve_store`)."""
+        if not self.pool_writable:
+            raise RuntimeError("reserve_store needs engine placement with pool_writable=True")
+        return self.client.reserve_store_async(key, self.instance_id, skip_first_n_tokens)
+
+    def drop_reservation(self, reservation: Future) -> None:
+        """Give back the objects of a reservation no store will copy into (bounded; a failed one held none)."""
+        try:
+            reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
+            self.client.commit_store(int(reply["reservation"]), False)
+        except Exception as exc:  # the server is gone (it dropped the reservation) or refused it: nothing held
+            log.debug("dropping a store reservation: %s", exc)
+
+    def store(self, key: CacheKey, block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int = 0, *,
+              reservation: Future | None = None) -> dict[str, Any]:
+        """RESERVE_STORE the chunks not stored yet (unless ``reservation``, from :meth:`reserve_store` for the
+        same key and skip, already asked), copy the blocks into those objects with this process's copier, then
+        COMMIT_STORE once the copies have landed (or drop the reservation if they failed: a half-written object
+        is never committed).
+
+        Blocks the calling thread until the copies have run. On a GPU they run on this process's copy
+        streams after the work the engine has queued so far; the engine's own stream never waits for them.
+        """
+        if not self.pool_writable:
+            raise RuntimeError("store needs engine placement with pool_writable=True")
+        blocks = BlockTable(block_ids)
+        try:
+            self.layout.check_block_ids(blocks, key.num_tokens)
+        except ValueError:
+            if reservation is not None:
+                self.drop_reservation(reservation)
+            raise
+        record = self.last_store = StoreRecord(key.request_id, time.perf_counter(),
+                                               reserved_ahead=reservation is not None)
+        if reservation is None:
+            reply = self.client.reserve_store(key, self.instance_id, skip_first_n_tokens)
+        else:
+            reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
+        record.reserved_at = time.perf_counter()
+        landed = False
+        try:
+            if reply["objects"]:
+                copier = self._copier_for(reply["pool"])
+                spans = [(int(off), int(tokens), int(start)) for off, _, tokens, start in reply["objects"]]
+                done = copier.gather(spans, blocks)
+                record.enqueued_at = time.perf_counter()
+                copier.finish(done)
+            landed = True
+            record.copied_at = time.perf_counter()
+        finally:
+            committed = self.client.commit_store(int(reply["reservation"]), landed)
+            record.committed_at = time.perf_counter()
+        if reply.get("full"):
+            log.warning("STORE of %s kept %d tokens: %s", key.request_id, committed["stored_tokens"], reply["full"])
+        return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
+
+    def close(self) -> None:
+        self._queue.close()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+        self._l1_tensor = None
+        self._generations = None
+        if self._generation_segment is not None:
+            self._generation_segment.close()
+            self._generation_segment = None
+        if self._l1_pool is not None:
+            self._l1_pool.close()
+        if self.registration_area is not None:
+            self.registration_area.close()
+            self.registration_area = None
