@@ -161,7 +161,7 @@ class _ResolvedRightAfterTheFirstLook(Future):
         return was_done
 
 
-def test_a_worker_placement_failure_is_reported_when_its_copy_stops_while_the_engine_looks(client, tmp_path):
+def test_an_engine_placement_failure_is_reported_when_its_copy_stops_while_the_engine_looks(client, tmp_path):
     """The layer wait fails a held engine-placement load; its report waits until the copy has stopped. The copy
     stopping just as the engine's poll looks at the load must not lose the report (it used to: the future was
     read twice, once to report and once to settle, and a copy that stopped in between settled unreported)."""

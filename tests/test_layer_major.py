@@ -169,7 +169,7 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             proxy.stop()
 
 
-def test_a_worker_placement_copy_stops_before_its_failure_is_reported(client, tmp_path):
+def test_an_engine_placement_copy_stops_before_its_failure_is_reported(client, tmp_path):
     """Engine placement: once a load has failed (here its layer wait timed out while the copy was held), the
     transfer queue enqueues no further slice of it, and the engine is told to recompute only once what was
     enqueued has run, so a recompute into those blocks cannot be overwritten."""

@@ -220,7 +220,7 @@ def test_the_worker_attaches_rings_and_transfers_settle_through_them(server, mon
     assert ring.segment.name not in os.listdir("/dev/shm"), "the client left its ring behind"
 
 
-def test_an_engine_placement_worker_attaches_no_rings_unless_asked(server):
+def test_engine_placement_attaches_no_rings_unless_asked(server):
     """Engine placement leaves the rings off by default (they did not shorten first-token time there);
     ``shm_rings=True`` still attaches them, and server placement attaches them by default."""
     from kvstrata.core.engine.choose_placement import make_placement
@@ -229,11 +229,11 @@ def test_an_engine_placement_worker_attaches_no_rings_unless_asked(server):
 
     engine = ReferenceEngine(SMALL_32, num_blocks=16, block_size=16)
     area = RegistrationArea(engine.layout, chunk_size=64)
-    worker_placement = {"local_regions": engine.regions, "registration_layout": area.layout}
+    engine_options = {"local_regions": engine.regions, "registration_layout": area.layout}
     clients, workers = [], []
     try:
-        for instance, placement, options, attached in ((42, PLACEMENT_ENGINE, worker_placement, False),
-                                                       (43, PLACEMENT_ENGINE, {**worker_placement, "shm_rings": True},
+        for instance, placement, options, attached in ((42, PLACEMENT_ENGINE, engine_options, False),
+                                                       (43, PLACEMENT_ENGINE, {**engine_options, "shm_rings": True},
                                                         True),
                                                        (44, PLACEMENT_SERVER, {}, True)):
             client = CacheClient(server.address, timeout=20.0)

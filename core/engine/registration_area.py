@@ -1,10 +1,10 @@
-"""What a engine-placement instance registers: a small shared-memory area with the cache's geometry.
+"""What an engine-placement instance registers: a small shared-memory area with the cache's geometry.
 
 In engine placement the engine process does every copy itself (loads from the server's pool, stores into
 objects the server reserved), so the server never opens the engine's cache; an engine's cache may even be
 memory the server could not map (vLLM on CPU allocates it as private memory; TensorRT-LLM's pool is not
 exportable through torch). REGISTER_KV_CACHE still describes a cache the server can open and check, so the
-worker registers this area instead: the same (kv, layers, heads, head bytes) as the engine's cache, a few
+engine registers this area instead: the same (kv, layers, heads, head bytes) as the engine's cache, a few
 chunks of blocks, in a shared-memory segment private to the user.
 """
 
@@ -27,7 +27,7 @@ class RegistrationArea:
         size = blocks_layout_bytes(**geometry)
         self.segment = create_cache_segment("registration", size)
         self.layout = blocks_layout(**geometry, region=Region("shm", size, self.segment.name),
-                                    fmt=f"{engine_layout.format}+worker")
+                                    fmt=f"{engine_layout.format}+registration")
 
     def close(self) -> None:
         self.segment.destroy()

@@ -102,7 +102,7 @@ def test_the_prompt_was_stored_by_the_engines_own_copies(engine, gpu_server) -> 
     # every load below compares with ``truth``: what this store put in L1 is what they read back
 
 
-def test_registered_for_worker_placement_without_an_ipc_export(engine, gpu_server) -> None:
+def test_registered_for_engine_placement_without_an_ipc_export(engine, gpu_server) -> None:
     side, layers, tokens, _, _ = engine
     assert side.connected and side.placement == "engine"
     assert {r.kind for r in side.layout.regions} == {"local"}, side.layout.regions
