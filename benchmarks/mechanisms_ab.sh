@@ -34,5 +34,5 @@ flags=("defaults:" "no-deferred-replies:--no-deferred-replies" "no-busy-poll:--b
 order=(0 1 2 3 3 2 1 0)
 for n in "${!order[@]}"; do
   f=${flags[${order[$n]}]}
-  run "flags-$n-${f%%:*}" --placements server,engine --server-args "${f#*:}"
+  run "flags-$n-${f%%:*}" --placements server,engine "--server-args=${f#*:}"
 done
