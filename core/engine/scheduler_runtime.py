@@ -23,21 +23,30 @@ afresh: a new LOOKUP under a new *attempt* of its lock owner
 its own. The earlier attempt's locks are freed if no load was planned for them
 (else the worker side frees them), and a late release of them can never free
 the new attempt's.
+
+Engines differ in three ways this side serves with the same machinery (no
+engine-specific branch): an engine that names a prompt by its own page-hash
+chain instead of its token ids (SGLang) looks it up with :meth:`lookup_pages`;
+one whose API must answer a lookup at once, not "ask again" (SGLang's linker,
+its HiCache backend), waits for the LOOKUPs it sent with
+:meth:`wait_for_lookups` and then asks again, which answers; and one that runs a
+scheduler per tensor-parallel rank (SGLang) gives its runtime that ``rank``, so
+it looks up and plans loads of that rank's shard only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvstrata.core.adapter_api.plugins import Adapter
 from kvstrata.core.engine.requests import (ChunkLocations, LoadSpec, PromptRequest, StoreSpec, lock_owner,
-                                           shard_keys)
+                                           shard_key, shard_keys)
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.store.keys import pack_tokens
+from kvstrata.core.store.keys import CacheKey, pack_tokens
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
@@ -65,6 +74,8 @@ class _Hit:
     """Per rank, where its LOOKUP found the hit in the pool (see :class:`ChunkLocations`)."""
     attempt: int = 0
     """The lookup attempt whose locks hold the hit (:func:`lock_owner`)."""
+    page_hashes: tuple[str, ...] | None = None
+    """The prompt's page-hash chain when it was looked up by it (:meth:`SchedulerRuntime.lookup_pages`)."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +98,20 @@ class StepPlan:
 
 class SchedulerRuntime:
     def __init__(self, adapter: Adapter, settings: RuntimeSettings, *, model: str, block_size: int,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, rank: int | None = None) -> None:
+        """``rank``: this runtime serves that tensor-parallel rank only (an engine that runs one scheduler per
+        rank, each loading its own shard: SGLang); it looks up, locks and plans loads of that rank's key alone.
+        ``None``: one scheduler for every rank (vLLM, TensorRT-LLM)."""
+        if rank is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world size {world_size})")
         self.adapter = adapter
         self.settings = settings
         self.model = model
         self.block_size = block_size
         self.world_size = world_size
+        self.rank = rank
+        self._ranks: tuple[int, ...] = tuple(range(world_size)) if rank is None else (rank,)
+        """The ranks whose shards this runtime looks up (their lock owners are its to free)."""
         self.client = CacheClient(settings.server_address, timeout=settings.lookup_timeout,
                                   **settings.client_options())
         self.chunk_size: int | None = None
@@ -125,20 +144,35 @@ class SchedulerRuntime:
         down). A positive count is block-aligned and what every rank's shard holds.
         """
         rid = self.adapter.request_id(engine_request_id)
-        request = PromptRequest(rid, token_ids, salt)
+        return self._lookup(engine_request_id, PromptRequest(rid, token_ids, salt), len(token_ids),
+                            num_computed_tokens, None)
+
+    def lookup_pages(self, engine_request_id: Any, page_hashes: Sequence[str], num_computed_tokens: int = 0,
+                     salt: str | None = None) -> int | None:
+        """:meth:`lookup` for an engine that names a prompt by its page-hash chain instead of its token ids
+        (SGLang's storage hashes: page i's hash covers every token up to the end of page i; one page is
+        ``block_size`` tokens). The keys are :meth:`CacheKey.for_page_hashes`, and a load planned from the hit
+        carries the hashes (``LoadSpec.page_hashes``). Same answers as :meth:`lookup`, in tokens."""
+        rid = self.adapter.request_id(engine_request_id)
+        hashes = tuple(page_hashes)
+        return self._lookup(engine_request_id, PromptRequest(rid, (), salt), len(hashes) * self.block_size,
+                            num_computed_tokens, hashes)
+
+    def _lookup(self, engine_request_id: Any, request: PromptRequest, num_prompt_tokens: int,
+                num_computed_tokens: int, page_hashes: tuple[str, ...] | None) -> int | None:
+        rid = request.request_id
         self._requests[rid] = (engine_request_id, request)
         if rid not in self._lookups:
             self._new_attempt(rid)
         bs = self.block_size
-        loadable = self.adapter.loadable_tokens(len(token_ids), bs)
+        loadable = self.adapter.loadable_tokens(num_prompt_tokens, bs)
         if loadable <= num_computed_tokens:
             return 0
         pending = self._lookups.get(rid)
         if pending is None:
             if time.monotonic() < self._down_until:
                 return 0  # the server just failed to answer: compute, and try again after the back-off
-            keys = shard_keys(request, loadable, self.model, self.world_size, self.settings.instance_id,
-                              self._attempts[rid])
+            keys = self._keys(request, loadable, page_hashes)
             futures = [self.client.transport.submit(RequestType.LOOKUP, [k.to_wire()]) for k in keys]
             self._lookups[rid] = _Pending(futures, time.monotonic())
             self._looked_up.add(rid)
@@ -169,8 +203,11 @@ class SchedulerRuntime:
         if external <= 0:
             self._free_locks(rid)
             return 0
-        located = tuple(ChunkLocations.from_lookup_reply(r) for r in replies)
-        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens, located, self._attempts[rid])
+        by_rank = dict(zip(self._ranks, replies, strict=True))
+        located = tuple(ChunkLocations.from_lookup_reply(by_rank[r]) if r in by_rank else None
+                        for r in range(self.world_size))
+        self._hits[rid] = _Hit(request, engine_request_id, hit, num_computed_tokens, located, self._attempts[rid],
+                               page_hashes[:hit // bs] if page_hashes is not None else None)
         log.debug("request %s: %d tokens from kvstrata after %d local", rid, external, num_computed_tokens)
         return external
 
@@ -181,11 +218,38 @@ class SchedulerRuntime:
         if num_external_tokens <= 0 or hit is None or self._loads_planned.get(rid) == hit.attempt:
             return
         located = tuple(loc.covering(hit.tokens) if loc is not None else None for loc in hit.located)
+        by_pages = hit.page_hashes is not None
         self._pending_loads.append(LoadSpec(
-            rid, engine_request_id, pack_tokens(list(hit.request.token_ids[:hit.tokens])), hit.request.salt,
-            BlockTable(block_ids), hit.local, self.settings.layers_per_slice,
+            rid, engine_request_id, b"" if by_pages else pack_tokens(list(hit.request.token_ids[:hit.tokens])),
+            hit.request.salt, BlockTable(block_ids), hit.local,
+            self.settings.layers_per_slice, hit.page_hashes, self.block_size if by_pages else 0,
             located=located if any(loc is not None for loc in located) else None, attempt=hit.attempt))
         self._loads_planned[rid] = hit.attempt
+
+    def wait_for_lookups(self, engine_request_ids: Iterable[Any]) -> None:
+        """Block until the LOOKUPs :meth:`lookup` / :meth:`lookup_pages` sent for these requests are answered,
+        or their ``lookup_timeout`` ran out; the next lookup of each then answers (never ``None``).
+
+        For an engine whose API must answer a lookup at once rather than ask again next step (SGLang's linker
+        and HiCache backend): it looks up every request it needs (the LOOKUPs go out together), waits here
+        once, then looks them up again. The only call of this side that blocks, and only this long. A request
+        with no LOOKUP in flight is not waited for.
+        """
+        pending = [p for p in (self._lookups.get(self.adapter.request_id(e)) for e in engine_request_ids)
+                   if p is not None]
+        for p in pending:
+            while not all(f.done() for f in p.futures):
+                waited = time.monotonic() - p.started
+                if waited >= self.settings.lookup_timeout:  # as :meth:`lookup` tells: it answers 0 now
+                    break
+                wait(p.futures, timeout=self.settings.lookup_timeout - waited)
+
+    @property
+    def backing_off(self) -> bool:
+        """Whether lookups skip the server now: it did not answer one within ``lookup_timeout``, and it is left
+        alone for :data:`BACK_OFF_TIMEOUTS` timeouts (lookups answer 0 meanwhile). An engine that would
+        otherwise go on to store what a lookup said is missing skips that store too (it could only wait)."""
+        return time.monotonic() < self._down_until
 
     # --- every step --------------------------------------------------------------------
 
@@ -277,13 +341,27 @@ class SchedulerRuntime:
             if self._loads_planned.get(rid) == spec.attempt:
                 del self._loads_planned[rid]  # its locks are this side's to free again
 
-    # --- locks -------------------------------------------------------------------------
+    # --- keys and locks ----------------------------------------------------------------
+
+    def _keys(self, request: PromptRequest, num_tokens: int, page_hashes: tuple[str, ...] | None) -> list[CacheKey]:
+        """The keys of this runtime's ranks (rank order) for the first ``num_tokens`` tokens of the prompt, by
+        its token ids or, if given, by its page hashes; under the request's current lookup attempt."""
+        attempt = self._attempts[request.request_id]
+        if page_hashes is None:
+            keys = shard_keys(request, num_tokens, self.model, self.world_size, self.settings.instance_id, attempt)
+            return [keys[r] for r in self._ranks]
+        pages = page_hashes[:num_tokens // self.block_size]
+        return [shard_key(request.request_id, self.model, b"", request.salt, rank=r, world_size=self.world_size,
+                          instance_id=self.settings.instance_id, page_hashes=pages, page_size=self.block_size,
+                          attempt=attempt)
+                for r in self._ranks]
 
     def _owners(self, rid: str, attempt: int | None = None) -> list[str]:
-        """Every rank's lock owner for ``rid``'s lookup ``attempt`` (default: its current one)."""
+        """The lock owner of each of this runtime's ranks for ``rid``'s lookup ``attempt`` (default: its
+        current one)."""
         if attempt is None:
             attempt = self._attempts.get(rid, 0)
-        return [lock_owner(rid, self.settings.instance_id + r, attempt) for r in range(self.world_size)]
+        return [lock_owner(rid, self.settings.instance_id + r, attempt) for r in self._ranks]
 
     def _free_locks(self, rid: str, attempt: int | None = None) -> None:
         if attempt is None or attempt == self._attempts.get(rid):
