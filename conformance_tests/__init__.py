@@ -9,7 +9,8 @@ Run it against one adapter::
 NAME is an entry-point name in the ``kvstrata.adapters`` group (an installed
 adapter, yours or ours) or a module path ``pkg.module[:attribute]``. Each
 test drives the adapter's engine-facing classes through its conformance
-driver (``kvstrata_conformance_driver``; for vLLM the connector itself), in
+driver (published in the suite's own entry-point group ``kvstrata.conformance_drivers``, see
+:mod:`kvstrata.conformance_tests.drivers`; for vLLM the connector itself), in
 every placement the adapter declares, against a real ``kvstrata serve``
 process with a recording proxy on the socket in between, and a failure names
 the rule the adapter broke

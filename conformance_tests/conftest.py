@@ -29,6 +29,7 @@ from kvstrata.core.adapter_api.plugins import (
 from kvstrata.core.adapter_api.types import PLACEMENTS, HarnessSpec
 from kvstrata.core.testing.slice_hold import SliceHold
 
+from .drivers import DriverNotFound, find, make_driver
 from .pytest_plugin import selected_adapters
 from .rig import Rig, RigServer
 from .rules import broken
@@ -52,6 +53,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def adapter_explicit(request: pytest.FixtureRequest) -> bool:
     return selected_adapters(request.config)[1]
+
+
+@pytest.fixture(scope="session")
+def driver_factory(adapter_spec: str, adapter: Adapter, request: pytest.FixtureRequest) -> Callable[[HarnessSpec], Any]:
+    """Builds the adapter's conformance driver for a spec (:mod:`.drivers`: found by the adapter's name in
+    entry-point group ``kvstrata.conformance_drivers``, or given with ``--driver``)."""
+    try:
+        source = find(adapter_spec, request.config.getoption("driver", default=None))
+        return make_driver(source, adapter)
+    except DriverNotFound as exc:
+        problem = str(exc)
+    except Exception as exc:  # the driver's module failed to import
+        problem = f"the conformance driver of adapter {adapter_spec!r} could not be loaded: {type(exc).__name__}: {exc}"
+    broken("hooks", problem)
 
 
 @pytest.fixture(scope="session")
@@ -131,15 +146,16 @@ def placed_adapter(adapter: Adapter, placement: str) -> Adapter:
 
 
 @pytest.fixture
-def make_rig(placed_adapter: Adapter, placement: str, session_hold: SliceHold,
-             shared_server: RigServer) -> Iterator[Callable[..., Rig]]:
+def make_rig(placed_adapter: Adapter, driver_factory: Callable[[HarnessSpec], Any], placement: str,
+             session_hold: SliceHold, shared_server: RigServer) -> Iterator[Callable[..., Rig]]:
     """Build rigs (each with its own proxy, driver and instance id, on the shared server unless ``own_server``),
     in the test's placement; all are torn down after the test."""
     rigs: list[Rig] = []
 
     def make(spec: HarnessSpec | None = None, *, own_server: bool = False, **settings: Any) -> Rig:
         spec = dataclasses.replace(spec or HarnessSpec(), placement=placement)
-        rig = Rig(placed_adapter, session_hold, spec, shared=None if own_server else shared_server, **settings)
+        rig = Rig(placed_adapter, driver_factory, session_hold, spec, shared=None if own_server else shared_server,
+                  **settings)
         rigs.append(rig)
         return rig.start()
 

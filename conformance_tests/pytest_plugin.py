@@ -1,10 +1,12 @@
-"""The suite's command-line option, registered with pytest through the ``pytest11`` entry point.
+"""The suite's command-line options, registered with pytest through the ``pytest11`` entry point.
 
 ``pytest --pyargs kvstrata.conformance_tests`` loads the suite's conftest.py
 only once collection reaches the installed package, too late for pytest to
-accept an option declared there. So the one option lives in this small plugin,
+accept an option declared there. So the options live in this small plugin,
 which pytest loads at start-up wherever kvstrata is installed; it imports
 nothing heavy and changes nothing unless the conformance suite is collected.
+(So do ``--driver``, which names the conformance driver of an adapter given by
+module path: see :mod:`kvstrata.conformance_tests.drivers`.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="adapter to check: an entry-point name in group kvstrata.adapters or a module path "
                          f"(pkg.module[:attr]); repeatable or comma-separated. Default: ${ENV_VAR} (comma-separated), else every "
                          "installed adapter")
+    group.addoption("--driver", action="append", default=[], metavar="ADAPTER=MODULE:FACTORY",
+                    help="the conformance driver of an adapter that publishes none in entry-point group "
+                         "kvstrata.conformance_drivers (one given by module path); repeatable or comma-separated. "
+                         "Default: $KVSTRATA_CONFORMANCE_DRIVER")
 
 
 def selected_adapters(config: pytest.Config) -> tuple[list[str], bool]:

@@ -1,7 +1,7 @@
 """The conformance rig: one adapter's engine-facing classes wired to a real server through the recording proxy.
 
 Everything the suite drives goes through the adapter, exactly as its engine
-would call it: the driver from ``kvstrata_conformance_driver`` *is* the
+would call it: the adapter's conformance driver (:mod:`.drivers`) *is* the
 adapter's engine side (for vLLM: ``KvstrataConnector`` in both roles, fed real
 vLLM objects), built over a real cache in the engine's format, in one of the
 placements the adapter declares. The rig gives it a server address (the
@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvstrata.core.adapter_api.plugins import Adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
@@ -96,6 +96,8 @@ class RigServer:
 @dataclass
 class Rig:
     adapter: Adapter
+    make_driver: Callable[[HarnessSpec], Any]
+    """Builds the adapter's conformance driver for a spec (:func:`.drivers.make_driver`)."""
     hold: SliceHold
     spec: HarnessSpec = field(default_factory=HarnessSpec)
     width: int = 1
@@ -129,7 +131,7 @@ class Rig:
         self.server = self._serving.get(self.chunk_size)
         self.proxy = RecordingProxy(self.server.address).start()
         self.client = CacheClient(self.proxy.address, timeout=10.0)
-        self.driver = self.adapter.conformance_driver(self.spec)
+        self.driver = self.make_driver(self.spec)
         self.settings = RuntimeSettings(
             server_address=self.proxy.address, layers_per_slice=self.width, placement=self.placement,
             model_name=MODEL, lookup_timeout=10.0, layer_wait_timeout=self.layer_wait_timeout,

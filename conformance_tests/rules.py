@@ -13,7 +13,7 @@ import pytest
 
 RULES: dict[str, str] = {
     "hooks": "the adapter implements every required hook, each marked @hookimpl with the declared signature, "
-             "its conformance driver has the declared methods with the declared arguments in order, and its "
+             "its conformance driver (published in entry-point group kvstrata.conformance_drivers) has the declared methods with the declared arguments in order, and its "
              "engine side loads what the server holds of a prompt's loadable tokens",
     "kv-layout": "kvstrata_describe_kv_cache describes the engine's real cache, and the engine side registers it "
                  "with the server in the placement it was deployed with",

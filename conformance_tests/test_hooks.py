@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any, Callable
 
 import pytest
 
@@ -62,8 +63,8 @@ def _protocol_methods() -> dict[str, inspect.Signature]:
     return out
 
 
-def test_conformance_driver_has_the_declared_methods(adapter: Adapter) -> None:
-    driver = adapter.conformance_driver(HarnessSpec(num_blocks=64))
+def test_conformance_driver_has_the_declared_methods(driver_factory: Callable[[HarnessSpec], Any]) -> None:
+    driver = driver_factory(HarnessSpec(num_blocks=64))
     try:
         for attr in ("placement", "runtime"):
             require(hasattr(driver, attr), "hooks", f"the conformance driver has no {attr!r} attribute")

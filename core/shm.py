@@ -172,6 +172,8 @@ class Segment:
 PROOF_BYTES = 32
 _proofs: dict[str, bytes] = {}
 """Segment name -> the token this process wrote at its end."""
+_cache_spans: dict[str, tuple[int, int]] = {}
+"""Segment name -> (address of its mapping in this process, cache bytes), for :func:`cache_segment_holding`."""
 
 
 def create_cache_segment(prefix: str, size: int) -> Segment:
@@ -181,8 +183,20 @@ def create_cache_segment(prefix: str, size: int) -> Segment:
     token = secrets.token_bytes(PROOF_BYTES)
     seg.buf[size:size + PROOF_BYTES] = token
     _proofs[seg.name] = token
-    seg.before_close.append(lambda name=seg.name: _proofs.pop(name, None))
+    _cache_spans[seg.name] = (seg.address, size)
+    seg.before_close.append(lambda name=seg.name: (_proofs.pop(name, None), _cache_spans.pop(name, None)))
     return seg
+
+
+def cache_segment_holding(address: int, nbytes: int) -> tuple[str, int, int] | None:
+    """(name, address of the cache in this process, cache bytes) of the cache segment this process made whose
+    cache holds ``[address, address + nbytes)``; None if none does. An adapter whose engine hands it only
+    tensors asks this to tell a cache the server can map (one in such a segment: server placement) from private
+    memory (engine placement only)."""
+    for name, (start, size) in _cache_spans.items():
+        if start <= address and address + nbytes <= start + size:
+            return name, start, size
+    return None
 
 
 def proof_of(name: str) -> str | None:

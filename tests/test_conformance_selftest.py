@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.conformance_tests.selftest.broken_adapters import BROKEN_RULES, MODULE
+from kvstrata.conformance_tests.selftest.broken_adapters import BROKEN_RULES, adapter_spec, driver_option
 from kvstrata.conformance_tests.selftest.selection import ENV_VAR
 
 TIMEOUT = 900
@@ -28,7 +28,7 @@ REFERENCE = "reference"
 
 
 def spec_of(broken_adapter: str) -> str:
-    return f"{MODULE}:{broken_adapter}"
+    return adapter_spec(broken_adapter)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,10 @@ def suite_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     selection = {spec_of(name): select for name, (_, select) in BROKEN_RULES.items()}
     selection[REFERENCE] = " or ".join(sorted({select for _, select in BROKEN_RULES.values()}))
     report = cwd / "report.xml"
-    env = {k: v for k, v in os.environ.items() if k != "KVSTRATA_ADAPTER"}
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTRATA_ADAPTER", "KVSTRATA_CONFORMANCE_DRIVER")}
     env[ENV_VAR] = json.dumps(selection)
     adapters = [a for spec in selection for a in ("--adapter", spec)]
+    adapters += [a for name in BROKEN_RULES for a in ("--driver", driver_option(name))]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "kvstrata.conformance_tests", *adapters,
          "-p", "kvstrata.conformance_tests.selftest.selection", "-p", "no:cacheprovider", "-q",

@@ -211,7 +211,7 @@ def test_block_ids_that_do_not_fit_refuse_a_store_reserved_ahead_and_give_its_ob
 def test_the_runtime_stores_into_the_reservations_it_made_before_the_forward(server, client, tmp_path):
     """``WorkerRuntime.reserve_stores`` at step start, ``store`` after the forward: the store uses the
     reservation; one made again for the same request replaces the first, and ``close`` gives back the rest."""
-    from kvstrata.adapters import reference
+    from kvstrata.adapters.reference import conformance as reference
     from kvstrata.core.adapter_api.plugins import load_adapter
     from kvstrata.core.adapter_api.types import HarnessSpec
     from kvstrata.core.engine.requests import StoreSpec, lock_owner

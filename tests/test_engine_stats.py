@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.stats import RuntimeStats, RuntimeStatsCollector

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.settings import (ENGINE_INSTANCE_BASE, ENGINE_INSTANCE_STRIDE, RuntimeSettings,

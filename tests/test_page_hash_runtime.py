@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec, lock_owner

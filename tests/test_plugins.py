@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvstrata.adapters import reference
+from kvstrata.adapters.reference.conformance import ReferenceConformanceDriver
 from kvstrata.core.adapter_api import hookspecs
 from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.plugins import (
@@ -41,10 +42,6 @@ class Complete:
     def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
         return reference.kvstrata_describe_kv_cache(kv_caches, placement)
 
-    @hookimpl
-    def kvstrata_conformance_driver(self, spec: HarnessSpec) -> Any:
-        return reference.ReferenceConformanceDriver(spec, adapter=load_adapter(self))
-
 
 def test_reference_adapter_is_discovered_through_its_entry_point() -> None:
     found = discover()
@@ -67,12 +64,34 @@ def test_unknown_adapter_names_what_is_installed() -> None:
 
 
 def test_missing_required_hook_is_named() -> None:
-    class NoDriver(Complete):
-        kvstrata_conformance_driver = None  # type: ignore[assignment]
+    class NoDescription(Complete):
+        kvstrata_describe_kv_cache = None  # type: ignore[assignment]
 
     with pytest.raises(MissingHookError,
-                       match=r"does not implement required hook\(s\): kvstrata_conformance_driver"):
-        load_adapter(NoDriver())
+                       match=r"does not implement required hook\(s\): kvstrata_describe_kv_cache"):
+        load_adapter(NoDescription())
+
+
+def test_the_conformance_driver_is_no_hook_and_lives_in_the_suites_own_group() -> None:
+    """Test support stays out of what an engine loads: no hook names a driver, a driver marked as one is refused as
+    a misspelled hook, and the drivers are published in their own entry-point group, under the adapters' names."""
+    from kvstrata.conformance_tests.drivers import DRIVER_GROUP, installed
+
+    assert not any("conformance" in name for name in hookspecs.REQUIRED_HOOKS)
+    assert not hasattr(hookspecs, "kvstrata_conformance_driver")
+
+    class OldStyle(Complete):
+        @hookimpl
+        def kvstrata_conformance_driver(self, spec: Any) -> Any:
+            return None
+
+    with pytest.raises(HookSignatureError, match="kvstrata_conformance_driver"):
+        load_adapter(OldStyle())
+    drivers = installed()
+    assert DRIVER_GROUP == "kvstrata.conformance_drivers"
+    assert {"reference", "vllm", "trtllm", "sglang"} <= set(drivers) <= set(discover()) | {"blockmajor"}
+    assert drivers["reference"].target == "kvstrata.adapters.reference.conformance:ReferenceConformanceDriver"
+    assert drivers["reference"].load() is ReferenceConformanceDriver
 
 
 def test_unmarked_hook_is_reported_as_unmarked() -> None:
@@ -161,7 +180,7 @@ def test_hook_results_are_checked_naming_the_adapter() -> None:
         def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> Any:
             return reference.kvstrata_describe_kv_cache(kv_caches, placement).layout
 
-    driver = reference.ReferenceConformanceDriver(HarnessSpec(num_layers=2, num_blocks=8))
+    driver = ReferenceConformanceDriver(HarnessSpec(num_layers=2, num_blocks=8))
     try:
         with pytest.raises(HookResultError, match="expected a kvstrata.core.adapter_api.types.KVCacheDescription"):
             load_adapter(LayoutOnly()).describe_kv_cache(driver.kv_caches, "server")
@@ -197,7 +216,7 @@ def test_the_runtimes_call_every_optional_hook_in_production(tmp_path: Path) -> 
             return LoadFailure(engine_request_id, block_ids, reason)
 
     adapter = load_adapter(Recording())
-    driver = adapter.conformance_driver(HarnessSpec(num_layers=4, num_blocks=32))
+    driver = ReferenceConformanceDriver(HarnessSpec(num_layers=4, num_blocks=32), adapter)
     with ServerProcess(l1_bytes=32 << 20, chunk_size=64) as server:
         try:
             driver.start(RuntimeSettings(server.address, layers_per_slice=1, record_path=str(tmp_path / "r.jsonl")))

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.adapters.sglang.loader import LayerLoader
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec

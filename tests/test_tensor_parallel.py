@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from kvstrata.core.wire.transport import RemoteError
-from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.record import read_record

@@ -139,7 +139,9 @@ class _Pool:
 class SglangConformanceDriver:
     """``KvstrataLinker`` over a real SGLang pool, driven the way SGLang's scheduler and model runner drive it."""
 
-    def __init__(self, spec: HarnessSpec) -> None:
+    def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
+        """``adapter``: the suite's loaded adapter (unused: the engine side loads its adapter by name, as the
+        engine does)."""
         self.spec = spec
         self.placement = spec.placement
         self.pool = _Pool(spec)

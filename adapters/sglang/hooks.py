@@ -27,7 +27,6 @@ from typing import Any
 from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.types import (
     AdapterInfo,
-    HarnessSpec,
     KVCacheDescription,
     NotSupported,
 )
@@ -118,10 +117,3 @@ def kvstrata_event_backend(device: str) -> EventBackend:
 @hookimpl
 def kvstrata_report_load_failure(engine_request_id: Any, block_ids: list[list[int]], reason: str) -> SglangLoadFailure:
     return SglangLoadFailure(str(engine_request_id), reason)
-
-
-@hookimpl
-def kvstrata_conformance_driver(spec: HarnessSpec) -> Any:
-    from .conformance import SglangConformanceDriver
-
-    return SglangConformanceDriver(spec)

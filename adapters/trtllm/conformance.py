@@ -78,7 +78,8 @@ class TrtllmConformanceCache:
         self._segment = create_cache_segment("trtllm-conformance", size)
         raw = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size)
         self.pool = raw.view(_TORCH[spec.dtype]).view(spec.num_blocks, spec.num_layers, spec.kv_size, elems)
-        self.pool.kvstrata_segment_name = self._segment.name  # lets the server placement map it (driver only)
+        # The pool is handed over as the tensor alone, as TensorRT-LLM does; the adapter finds it in this process's
+        # cache segment, which is what lets the server placement map it.
         self._bytes = raw.view(spec.num_blocks, spec.num_layers, spec.kv_size * elems * es)
         self._free = list(range(spec.num_blocks))
 
@@ -116,7 +117,9 @@ class TrtllmConformanceCache:
 class TrtllmConformanceDriver(TrtllmConformanceCache):
     """``KvstrataScheduler`` + ``KvstrataWorker`` over a TensorRT-LLM-format pool, driven as TensorRT-LLM does."""
 
-    def __init__(self, spec: HarnessSpec) -> None:
+    def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
+        """``adapter``: the suite's loaded adapter (unused: the engine side loads its adapter by name, as the
+        engine does)."""
         super().__init__(spec)
         self.placement = spec.placement
         self.scheduler: Any = None

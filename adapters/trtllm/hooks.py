@@ -8,7 +8,8 @@ onto the core's engine runtime; these hooks are where TensorRT-LLM differs from 
   torch's caching allocator, so torch cannot export it by CUDA IPC: the engine-placement ``worker``
   placement (this process copies from the server's pool, registered for DMA) needs no export and is the
   GPU placement; ``server`` is refused there by name. On CPU the server placement works only for a pool in
-  shared memory (the conformance driver's); TensorRT-LLM itself does not run on CPU;
+  a cache segment this process made (:func:`kvstrata.core.shm.create_cache_segment`); TensorRT-LLM itself
+  does not run on CPU;
 * a prompt keeps at least one token for TensorRT-LLM to compute (it must have something to run), so the
   block holding the last prompt token is never loaded;
 * on CUDA a layer wait makes the forward's stream wait on the layer's event (no CPU block on the copy).
@@ -23,12 +24,12 @@ from typing import Any
 from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.types import (
     AdapterInfo,
-    HarnessSpec,
     KVCacheDescription,
     NotSupported,
 )
 from kvstrata.core.adapter_api.defaults import whole_blocks_before_the_last_token
 from kvstrata.core.arrival.events import EventBackend
+from kvstrata.core.shm import cache_segment_holding
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, Region
 
 from .kv_layout import TrtllmKvPool, byte_view, pool_layout
@@ -49,9 +50,15 @@ def describe(pool: Any, placement: str) -> KVCacheDescription:
     if device.type == "cuda":
         raise NotSupported("TensorRT-LLM allocates its KV pool with cudaMalloc outside torch's caching allocator, "
                            "so torch's CUDA IPC export refuses it; use the engine-placement engine placement")
-    if pool.segment_name is None:
-        raise NotSupported("this CPU pool is private memory, which the server cannot map")
-    return KVCacheDescription(pool_layout(pool, Region("shm", flat.numel(), pool.segment_name)), [flat])
+    segment = cache_segment_holding(flat.data_ptr(), flat.numel())
+    if segment is None:
+        raise NotSupported("this CPU pool is private memory, which the server cannot map (a pool the server may "
+                           "write lies in a segment made by kvstrata.core.shm.create_cache_segment)")
+    name, base, size = segment
+    if flat.data_ptr() != base:
+        raise NotSupported(f"the CPU pool starts {flat.data_ptr() - base} bytes into its cache segment {name}; the "
+                           "server maps a pool that starts where the segment's cache does")
+    return KVCacheDescription(pool_layout(pool, Region("shm", flat.numel(), name)), [flat])
 
 
 @hookimpl
@@ -81,10 +88,3 @@ def kvstrata_event_backend(device: str) -> EventBackend:
 def kvstrata_loadable_tokens(num_prompt_tokens: int, block_size: int) -> int:
     # TensorRT-LLM needs at least one prompt token to compute: never load the block holding the last one.
     return whole_blocks_before_the_last_token(num_prompt_tokens, block_size)
-
-
-@hookimpl
-def kvstrata_conformance_driver(spec: HarnessSpec) -> Any:
-    from .conformance import TrtllmConformanceDriver
-
-    return TrtllmConformanceDriver(spec)

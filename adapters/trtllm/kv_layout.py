@@ -40,8 +40,6 @@ class TrtllmKvPool:
 
     tensor: torch.Tensor
     tokens_per_block: int
-    segment_name: str | None = None
-    """Set only by the conformance driver, whose CPU pool lives in shared memory the server can map."""
 
 
 def pool_layout(pool: TrtllmKvPool, region: Region) -> PagedKVLayout:

@@ -29,8 +29,6 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.shm import create_cache_segment
 from kvstrata.core.transfer.layouts import DTYPE_SIZES
 
-from .hooks import SharedVllmKVCaches
-
 LOOKUP_BOUND = 30.0
 """How long the driver asks again for a lookup before it calls the connector broken (only catches hangs)."""
 
@@ -99,8 +97,8 @@ class VllmConformanceCache:
         self._segment = create_cache_segment("vllm-conformance", size)
         buf = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=size).view(dtype)
         views = buf.view(spec.num_layers, spec.num_blocks, spec.num_heads, spec.block_size, 2 * spec.head_size)
-        self.kv_caches = SharedVllmKVCaches({f"model.layers.{l}.self_attn.attn": views[l]
-                                             for l in range(spec.num_layers)}, self._segment.name, size)
+        # A plain dict, as vLLM hands it over: the adapter finds the buffer in a cache segment of this process.
+        self.kv_caches = {f"model.layers.{l}.self_attn.attn": views[l] for l in range(spec.num_layers)}
         self._pages = buf.view(torch.uint8).view(spec.num_layers, spec.num_blocks, page)
         self._free = list(range(1, spec.num_blocks))  # block 0 is vLLM's null block
 
@@ -141,7 +139,9 @@ class VllmConformanceCache:
 class VllmConformanceDriver(VllmConformanceCache):
     """Both roles of ``KvstrataConnector`` over a vLLM-format cache, driven the way vLLM drives them."""
 
-    def __init__(self, spec: HarnessSpec) -> None:
+    def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
+        """``adapter``: the suite's loaded adapter (unused: the engine side loads its adapter by name, as the
+        engine does)."""
         super().__init__(spec)
         self.placement = spec.placement
         self.scheduler: Any = None

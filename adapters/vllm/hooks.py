@@ -6,8 +6,9 @@ runtime calls them:
 
 * its cache: one tensor per layer, ``[blocks, kv_heads, block_size, 2*head]``
   views of one buffer. On CPU the pages move whole as opaque bytes and the
-  cache is private memory (engine placement), unless it lives in shared memory
-  (the conformance driver's, :class:`SharedVllmKVCaches`: server placement too);
+  cache is private memory (engine placement), unless its buffer lies in a cache
+  segment this process made (:func:`kvstrata.core.shm.create_cache_segment`:
+  server placement too);
   on CUDA the server maps it by CUDA IPC (server placement);
 * vLLM recomputes the last prompt token, so the block holding it is never loaded;
 * a failed load is reported as block ids, which vLLM recomputes
@@ -25,23 +26,15 @@ from typing import Any
 import torch
 
 from kvstrata.core.adapter_api.hookspecs import hookimpl
-from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, NotSupported
+from kvstrata.core.adapter_api.types import AdapterInfo, KVCacheDescription, NotSupported
 from kvstrata.core.adapter_api.defaults import whole_blocks_before_the_last_token
 from kvstrata.core.arrival.events import EventBackend
+from kvstrata.core.shm import cache_segment_holding
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout, Region
 
 from .kv_layout import cpu_page_layout, cuda_layout
 
 NAME = "vllm"
-
-
-class SharedVllmKVCaches(dict):
-    """vLLM's ``dict[layer_name, Tensor]`` whose buffer is a shared-memory segment the server can map."""
-
-    def __init__(self, layers: dict[str, torch.Tensor], segment_name: str, segment_size: int) -> None:
-        super().__init__(layers)
-        self.segment_name = segment_name
-        self.segment_size = segment_size
 
 
 def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescription:
@@ -54,12 +47,15 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
     layout, regions = cpu_page_layout(kv_caches)
     if placement == PLACEMENT_ENGINE:
         return KVCacheDescription(layout, regions)
-    if not isinstance(kv_caches, SharedVllmKVCaches):
-        raise NotSupported("vLLM allocates its CPU cache in private memory, which the server cannot map")
-    base = regions[0].data_ptr()
+    start = min(r.data_ptr() for r in regions)
+    end = max(r.data_ptr() + r.numel() for r in regions)
+    segment = cache_segment_holding(start, end - start)
+    if segment is None:
+        raise NotSupported("vLLM allocates its CPU cache in private memory, which the server cannot map (a cache "
+                           "the server may write lies in a segment made by kvstrata.core.shm.create_cache_segment)")
+    name, base, size = segment
     offsets = tuple(((0, r.data_ptr() - base),) for r in regions)
-    shared = PagedKVLayout(**{**layout.__dict__, "offsets": offsets,
-                              "regions": (Region("shm", kv_caches.segment_size, kv_caches.segment_name),)})
+    shared = PagedKVLayout(**{**layout.__dict__, "offsets": offsets, "regions": (Region("shm", size, name),)})
     return KVCacheDescription(shared, regions)
 
 
@@ -92,10 +88,3 @@ def kvstrata_loadable_tokens(num_prompt_tokens: int, block_size: int) -> int:
 @hookimpl
 def kvstrata_report_load_failure(engine_request_id: Any, block_ids: list[list[int]], reason: str) -> set[int]:
     return {int(b) for group in block_ids for b in group}
-
-
-@hookimpl
-def kvstrata_conformance_driver(spec: HarnessSpec) -> Any:
-    from .conformance import VllmConformanceDriver
-
-    return VllmConformanceDriver(spec)

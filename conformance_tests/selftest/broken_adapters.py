@@ -1,8 +1,10 @@
 """Adapters that each break exactly one conformance rule, the way real adapters have broken it.
 
 Each is the reference adapter with one hook or one engine-facing call changed,
-loaded by module path
-(``--adapter kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait``).
+loaded by module path, its driver named beside it
+(``--adapter kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait
+--driver kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait=kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait.conformance_driver``,
+see :func:`driver_option`).
 ``BROKEN_RULES`` says which rule each breaks and which tests show it.
 """
 
@@ -12,8 +14,9 @@ import dataclasses
 from typing import Any, Sequence
 
 from kvstrata.adapters import reference
+from kvstrata.adapters.reference import conformance as reference_driver
 from kvstrata.core.adapter_api.hookspecs import hookimpl
-from kvstrata.core.adapter_api.plugins import load_adapter
+from kvstrata.core.adapter_api.plugins import Adapter
 from kvstrata.core.adapter_api.types import AdapterInfo, DriverPoll, HarnessSpec, KVCacheDescription
 from kvstrata.core.engine.settings import RuntimeSettings
 
@@ -22,7 +25,7 @@ class _ReferenceBased:
     """The reference adapter's hooks as methods, so a subclass can break one of them or its driver."""
 
     name = "broken"
-    driver_class: type = reference.ReferenceConformanceDriver
+    driver_class: type = reference_driver.ReferenceConformanceDriver
 
     @hookimpl
     def kvstrata_adapter_info(self) -> AdapterInfo:
@@ -32,15 +35,16 @@ class _ReferenceBased:
     def kvstrata_describe_kv_cache(self, kv_caches: Any, placement: str) -> KVCacheDescription:
         return reference.kvstrata_describe_kv_cache(kv_caches, placement)
 
-    @hookimpl
-    def kvstrata_conformance_driver(self, spec: HarnessSpec) -> Any:
-        return self.driver_class(spec, adapter=load_adapter(self))
+    @classmethod
+    def conformance_driver(cls, spec: HarnessSpec, adapter: Adapter) -> Any:
+        """The driver factory the self-test names with ``--driver SPEC=MODULE:<class>.conformance_driver``."""
+        return cls.driver_class(spec, adapter=adapter)
 
 
 # --- rule "retrieve-payload" --------------------------------------------------------------
 
 
-class _DropsWidth(reference.ReferenceConformanceDriver):
+class _DropsWidth(reference_driver.ReferenceConformanceDriver):
     def start(self, settings: RuntimeSettings) -> None:
         super().start(dataclasses.replace(settings, layers_per_slice=0))
 
@@ -54,7 +58,7 @@ class WidthDropped(_ReferenceBased):
 # --- rule "early-release" -----------------------------------------------------------------
 
 
-class _ReleasesOnCompletion(reference.ReferenceConformanceDriver):
+class _ReleasesOnCompletion(reference_driver.ReferenceConformanceDriver):
     def __init__(self, spec: HarnessSpec, adapter: Any = None) -> None:
         super().__init__(spec, adapter=adapter)
         self._pending: set[str] = set()
@@ -76,7 +80,7 @@ class ReleasesOnCompletion(_ReferenceBased):
 # --- rule "layer-wait" --------------------------------------------------------------------
 
 
-class _NoLayerWait(reference.ReferenceConformanceDriver):
+class _NoLayerWait(reference_driver.ReferenceConformanceDriver):
     def wait_for_layer(self, layer: int) -> None:
         return None
 
@@ -90,7 +94,7 @@ class NoLayerWait(_ReferenceBased):
 # --- rule "failure-reported" --------------------------------------------------------------
 
 
-class _SwallowsFailures(reference.ReferenceConformanceDriver):
+class _SwallowsFailures(reference_driver.ReferenceConformanceDriver):
     def poll(self) -> DriverPoll:
         return DriverPoll(super().poll().released, set())
 
@@ -104,7 +108,7 @@ class SwallowsFailures(_ReferenceBased):
 # --- rule "fallback" ----------------------------------------------------------------------
 
 
-class _IgnoresPoolSlots(reference.ReferenceConformanceDriver):
+class _IgnoresPoolSlots(reference_driver.ReferenceConformanceDriver):
     def start(self, settings: RuntimeSettings) -> None:
         super().start(dataclasses.replace(settings, pool_slots=16))
 
@@ -146,7 +150,7 @@ class WrongDescribeSignature(_ReferenceBased):
         return reference.kvstrata_describe_kv_cache(kv_caches, where)
 
 
-class _SwappedReadLayer(reference.ReferenceConformanceDriver):
+class _SwappedReadLayer(reference_driver.ReferenceConformanceDriver):
     def read_layer(self, layer: int, block_ids: Sequence[Sequence[int]], num_tokens: int) -> bytes:  # type: ignore[override]
         return super().read_layer(block_ids, layer, num_tokens)
 
@@ -158,6 +162,16 @@ class SwappedReadLayerArguments(_ReferenceBased):
 
 
 MODULE = __name__
+
+
+def adapter_spec(name: str) -> str:
+    """The ``--adapter`` value that loads broken adapter ``name``."""
+    return f"{MODULE}:{name}"
+
+
+def driver_option(name: str) -> str:
+    """The ``--driver`` value that gives broken adapter ``name`` its driver."""
+    return f"{adapter_spec(name)}={MODULE}:{name}.conformance_driver"
 
 BROKEN_RULES: dict[str, tuple[str, str]] = {
     # adapter class: (rule it breaks, pytest -k expression selecting the tests that show it)

@@ -20,7 +20,11 @@ published in the ``kvstrata.adapters`` entry-point group::
 
 :mod:`kvstrata.core.adapter_api.plugins` loads and validates it, and
 ``pytest --pyargs kvstrata.conformance_tests --adapter myengine`` checks its
-engine-facing classes end to end. Rules, checked when the adapter is loaded:
+engine-facing classes end to end, through a conformance driver the adapter's
+package publishes in the suite's own entry-point group
+(``kvstrata.conformance_drivers``, read only by the suite, see
+:mod:`kvstrata.conformance_tests.drivers`): nothing here, and nothing an engine
+loads, names test code. Rules, checked when the adapter is loaded:
 
 * Every hook in :data:`REQUIRED_HOOKS` is implemented and marked ``@hookimpl``;
   the others have defaults (:mod:`.defaults`, registered last, so an
@@ -41,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from kvstrata.core.adapter_api.types import AdapterInfo, ConformanceDriver, HarnessSpec, KVCacheDescription
+    from kvstrata.core.adapter_api.types import AdapterInfo, KVCacheDescription
     from kvstrata.core.arrival.events import EventBackend
 
 PROJECT_NAME = "kvstrata"
@@ -54,7 +58,6 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 REQUIRED_HOOKS: tuple[str, ...] = (
     "kvstrata_adapter_info",
     "kvstrata_describe_kv_cache",
-    "kvstrata_conformance_driver",
 )
 """Hooks an adapter must implement itself; the others have defaults in :mod:`.defaults`."""
 
@@ -141,17 +144,4 @@ def kvstrata_report_load_failure(engine_request_id: Any, block_ids: list[list[in
     fails the request instead (SGLang's load counter) returns what its
     connector needs for that. The default returns a
     :class:`~kvstrata.core.adapter_api.types.LoadFailure`.
-    """
-
-
-@hookspec(firstresult=True)
-def kvstrata_conformance_driver(spec: "HarnessSpec") -> "ConformanceDriver":
-    """Build the adapter's engine-facing classes over a real cache, for the conformance suite.
-
-    Called by ``kvstrata.conformance_tests`` once per rig, with the model
-    shape and the placement to build (one of :class:`AdapterInfo`'s
-    ``placements``). Return a
-    :class:`~kvstrata.core.adapter_api.types.ConformanceDriver`, or raise
-    ``NotSupported`` for a spec the engine cannot build (for example
-    ``kv_groups > 1`` on an engine without hybrid models).
     """

@@ -37,7 +37,7 @@ import pluggy
 from kvstrata.core.adapter_api import hookspecs
 from kvstrata.core.adapter_api.defaults import CoreDefaults
 from kvstrata.core.adapter_api.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, REQUIRED_HOOKS
-from kvstrata.core.adapter_api.types import AdapterInfo, ConformanceDriver, HarnessSpec, KVCacheDescription
+from kvstrata.core.adapter_api.types import AdapterInfo, KVCacheDescription
 from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.transfer.layouts import PagedKVLayout
 
@@ -302,9 +302,3 @@ class Adapter:
     def report_load_failure(self, engine_request_id: Any, block_ids: list[list[int]], reason: str) -> Any:
         return self.hook.kvstrata_report_load_failure(engine_request_id=engine_request_id, block_ids=block_ids,
                                                       reason=reason)
-
-    def conformance_driver(self, spec: HarnessSpec) -> ConformanceDriver:
-        driver = self.hook.kvstrata_conformance_driver(spec=spec)
-        if driver is None:
-            raise HookResultError(f"adapter {self.name!r}: kvstrata_conformance_driver returned None")
-        return driver

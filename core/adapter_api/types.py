@@ -118,7 +118,8 @@ class DriverPoll:
 class ConformanceDriver(Protocol):
     """An adapter's engine-facing classes, driven by the conformance suite the way the engine calls them.
 
-    Returned by ``kvstrata_conformance_driver``. It owns a real paged KV cache in
+    Built by the factory an adapter's package publishes in the conformance suite's entry-point group
+    ``kvstrata.conformance_drivers`` (:mod:`kvstrata.conformance_tests.drivers`). It owns a real paged KV cache in
     the engine's own format and a real engine side over it (for vLLM: the
     connector class in both roles, fed real vLLM request, block and scheduler
     objects). The suite never trusts it to judge correctness: it reads the

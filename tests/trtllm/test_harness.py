@@ -263,7 +263,6 @@ def test_server_death_mid_load_fails_the_batch_and_nothing_hangs(deploy, tmp_pat
                 for seg in segs:
                     t = torch.frombuffer(seg.buf, dtype=torch.float32, count=size // 4).view(shape)
                     t.zero_()
-                    t.kvstrata_segment_name = seg.name
                     out.append(t)
                 return out
 
