@@ -8,7 +8,8 @@ then hands it the host pool (``register_mem_pool_host``), and with ``interface_v
 ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` with page-hash keys and host token indices.
 
 The host pool is registered with the kvstrata server through a ``WorkerRuntime`` (engine placement: this
-process copies between its host pool and the server's L1 pool). Its layout descriptor says which host layout
+process copies between its host pool and the server's L1 pool); lookups, their locks and the back-off from a
+server that does not answer are this rank's ``SchedulerRuntime``'s, as for the linker (:mod:`.loader`). Its layout descriptor says which host layout
 wrote each page (``layer_first``, ``page_first`` or ``page_first_direct``): a STORE gathers a page through
 the writer's layout into kvstrata's layout-free ``[kv, layer, token, head, bytes]`` object, and a RETRIEVE
 scatters it through the reader's layout, so a page written in one layout is read converted in another,
@@ -33,6 +34,7 @@ instance when the connection's lease runs out, and :mod:`.reaper`'s watcher remo
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import threading
@@ -44,15 +46,15 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstrata.core.adapter_api.plugins import load_adapter
-from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, lock_owner, shard_key
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.scheduler_runtime import SchedulerRuntime
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.transfer.layouts import LayoutError
-from kvstrata.core.wire.client import CacheClient
-from kvstrata.core.wire.protocol import RequestType
 
 from . import hooks, reaper
 from .kv_layout import SglangHostPool, blocks_of_slots
+from .loader import lookup_pages_now
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,12 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self.rank, self.world_size = int(storage_config.tp_rank), int(storage_config.tp_size)
         self.model = self.settings.model_name or str(storage_config.model_name or "sglang-model")
         self.runtime: WorkerRuntime | None = None
+        self.scheduler: SchedulerRuntime | None = None
         self.page_size = 0
-        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout,
-                                  **self.settings.client_options())
         self._ids = itertools.count(1)
         self._runtime_lock = threading.Lock()
-        self._client_lock = threading.Lock()
-        """HiCache calls from its prefetch and its backup threads at once; the runtime is one engine thread's."""
+        self._scheduler_lock = threading.Lock()
+        """HiCache calls from its prefetch and its backup threads at once; each runtime is one engine thread's."""
         self._closed = False
         atexit.register(self.close)
 
@@ -92,50 +93,37 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         pool = SglangHostPool.from_host_pool(mem_pool_host)
         self.page_size = pool.page_size
-        self.runtime = WorkerRuntime(load_adapter(hooks), self.settings, model=self.model, rank=self.rank,
+        adapter = load_adapter(hooks)
+        self.runtime = WorkerRuntime(adapter, self.settings, model=self.model, rank=self.rank,
                                      world_size=self.world_size)
+        # HiCache fills host memory before the request runs: its loads are planned chunk-major
+        self.scheduler = SchedulerRuntime(adapter, dataclasses.replace(self.settings, layers_per_slice=0),
+                                          model=self.model, block_size=self.page_size, world_size=self.world_size,
+                                          rank=self.rank)
         self.runtime.register(pool)
         log.info("kvstrata HiCache backend: host layout %s, page %d, rank %d of %d, model %r, server %s",
                  pool.layout, pool.page_size, self.rank, self.world_size, self.model, self.settings.server_address)
 
-    # --- keys --------------------------------------------------------------------------------
-
-    def _key(self, owner: str, page_hash: str) -> Any:
-        return shard_key(owner, self.model, b"", None, rank=self.rank, world_size=self.world_size,
-                         instance_id=self.settings.instance_id, page_hashes=(page_hash,),
-                         page_size=self.page_size)
+    # --- lookups (the scheduler runtime) -------------------------------------------------------
 
     def _held(self, owners: Sequence[str], keys: Sequence[str]) -> list[bool]:
-        """Which pages the server holds (page i locked for ``owners[i]`` until its FREE_LOOKUP_LOCKS or
-        RETRIEVE)."""
-        return [reply is not None for reply in self._lookups(owners, keys)]
-
-    def _lookups(self, owners: Sequence[str], keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Each page's LOOKUP reply where the server holds it (locked for ``owners[i]``), else None.
-        The LOOKUPs go out together and are answered in one round trip."""
+        """Which pages the server holds, page i looked up as request ``owners[i]`` and locked for it until its
+        load or :meth:`_forget`. The LOOKUPs go out together and are answered in one round trip; a server that
+        does not answer or errs holds nothing (SGLang computes)."""
         if not keys:
             return []
-        if self._closed:
-            return [None] * len(keys)
-        try:
-            with self._client_lock:
-                futures = [self.client.lookup_async(self._key(o, h)) for o, h in zip(owners, keys, strict=True)]
-            replies = [self.client.transport.wait(f, timeout=self.settings.lookup_timeout) for f in futures]
-            return [r if int(r["hit_tokens"]) > 0 else None for r in replies]
-        except Exception as exc:  # a server that is down or errs: nothing is held, SGLang computes
-            log.warning("kvstrata LOOKUP of %d pages failed (%s); reported as misses", len(keys), exc)
-            for o in set(owners):
-                self._free_lookup_locks(o)
-            return [None] * len(keys)
+        with self._scheduler_lock:
+            if self._closed or self.scheduler is None:
+                return [False] * len(keys)
+            tokens = lookup_pages_now(self.scheduler, [(o, (h,)) for o, h in zip(owners, keys, strict=True)])
+        return [t > 0 for t in tokens]
 
-    def _free_lookup_locks(self, owner: str) -> None:
-        """Release ``owner``'s lookup locks, on the connection whose LOOKUPs took them (fire and forget)."""
-        owner = lock_owner(owner, self.settings.instance_id + self.rank)
-        try:
-            with self._client_lock:
-                self.client.transport.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
-        except Exception as exc:  # only a closed client raises here
-            log.debug("FREE_LOOKUP_LOCKS for %s not sent: %s", owner, exc)
+    def _forget(self, owners: Sequence[str]) -> None:
+        """These lookups are done with: the locks of those that planned no load go now."""
+        with self._scheduler_lock:
+            if self.scheduler is not None:
+                for o in owners:
+                    self.scheduler.finished(o)
 
     def _connected(self) -> bool:
         """Registered with the server (or registering now); False once closed, so nothing registers again."""
@@ -157,9 +145,10 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the server holds."""
-        owner = f"hicache-exists-{next(self._ids)}"
-        held = self._held([owner] * len(keys), keys)
-        self._free_lookup_locks(owner)
+        batch = next(self._ids)
+        owners = [f"hicache-exists-{batch}-{i}" for i in range(len(keys))]
+        held = self._held(owners, keys)
+        self._forget(owners)
         return held.index(False) if False in held else len(held)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -170,14 +159,15 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         batch = next(self._ids)
         owners = [f"hicache-get-{batch}-{i}" for i in range(len(keys))]
-        replies = self._lookups(owners, keys)
-        held = [r is not None for r in replies]
-        specs = [LoadSpec(o, o, b"", None, ((b,),), 0, 0, (h,), self.page_size,
-                          located=ChunkLocations.for_rank(r, self.page_size, self.rank, self.world_size))
-                 for o, h, b, r in zip(owners, keys, blocks, replies, strict=True) if r is not None]
-        for o, ok in zip(owners, held, strict=True):
-            if not ok:
-                self._free_lookup_locks(o)
+        held = self._held(owners, keys)
+        with self._scheduler_lock:  # plan the held pages' loads (one each, from where their LOOKUP found them)
+            if self._closed:
+                return [False] * len(keys)
+            for o, b, ok in zip(owners, blocks, held, strict=True):
+                if ok:
+                    self.scheduler.allocated(o, ((b,),), self.page_size)
+            specs = self.scheduler.plan_step((), (), lambda _: ()).loads
+        self._forget(owners)  # a planned load's locks are the worker side's; the others go now
         with self._runtime_lock:
             landed = self._run_loads(specs)
         return [ok and landed.get(o, False) for o, ok in zip(owners, held, strict=True)]
@@ -212,9 +202,10 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         blocks = self._blocks(host_indices, keys)
         if blocks is None or self.runtime is None or not self._connected():
             return [False] * len(keys)
-        owner = f"hicache-set-{next(self._ids)}"
-        held = self._held([owner] * len(keys), keys)
-        self._free_lookup_locks(owner)
+        batch = next(self._ids)
+        owners = [f"hicache-set-{batch}-{i}" for i in range(len(keys))]
+        held = self._held(owners, keys)
+        self._forget(owners)
         out = []
         for i, (h, b, ok) in enumerate(zip(keys, blocks, held, strict=True)):
             if ok:
@@ -225,7 +216,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                     out.append(False)
                     continue
                 failed_before = self.runtime.stats.total.stores_failed
-                self.runtime.store([StoreSpec(f"{owner}-{i}", b"", None, ((b,),), 0, (h,), self.page_size)])
+                self.runtime.store([StoreSpec(owners[i], b"", None, ((b,),), 0, (h,), self.page_size)])
                 out.append(self.runtime.stats.total.stores_failed == failed_before)
         return out
 
@@ -267,7 +258,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 if self.runtime is not None:
                     self.runtime.close()
             finally:
-                with self._client_lock:
-                    self.client.close()
+                with self._scheduler_lock:
+                    if self.scheduler is not None:
+                        self.scheduler.close()
         log.info("kvstrata HiCache backend closed (instance %d unregistered if the server answered, "
                  "segments removed)", self.settings.instance_id + self.rank)

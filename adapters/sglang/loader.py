@@ -6,13 +6,16 @@ loads right before the forward that reads them and returns a ``LayerWiseLoadCoun
 of layer ``l`` blocks in ``wait_until(l)`` until the layer's future resolves; ``finish_layer_wise_loading``
 after the forward says whether every layer landed (if not, SGLang aborts the batch's loading requests).
 
-:class:`LayerLoader` does all of that on the core's :class:`WorkerRuntime` (engine placement: the copy runs
-in this process, one slice of layers at a time). One loader thread owns every runtime call: it starts a
-batch's retrieves, waits (bounded) until the runtime releases them on their first slice, then waits on each
-layer in turn with the runtime's own per-layer wait and ``complete``\\ s the layer in SGLang's counter only
-when that wait returned with the layer's bytes in place; a failure anywhere ``fail``\\ s the counter with the
-runtime's reason (which its record also holds), so ``finish`` reports it and SGLang aborts only those
-requests. Offloads run on the same thread, after the loads queued before them; each reserves its objects
+:class:`LayerLoader` does all of that on the core's engine runtime, as vLLM's and TensorRT-LLM's connectors
+do: lookups, their locks and the back-off from a server that does not answer are the
+:class:`SchedulerRuntime`'s (one per TP rank: SGLang runs a scheduler per rank, keyed by its page hashes,
+answered at once with :meth:`~SchedulerRuntime.wait_for_lookups`), the copies the :class:`WorkerRuntime`'s
+(engine placement: the copy runs in this process, one slice of layers at a time). One loader thread owns
+every worker-runtime call: it starts a batch's retrieves, waits (bounded) until the runtime releases them on
+their first slice, then waits on each layer in turn with the runtime's own per-layer wait and
+``complete``\\ s the layer in SGLang's counter only when that wait returned with the layer's bytes in place;
+a failure anywhere ``fail``\\ s the counter with the runtime's reason (which its record also holds), so
+``finish`` reports it and SGLang aborts only those requests. Offloads run on the same thread, after the loads queued before them; each reserves its objects
 on the server before it waits for the forward's writes, so that round trip overlaps the forward.
 
 It needs no SGLang import: the linker hands it SGLang's counter, and the GPU tests a stand-in for it.
@@ -29,19 +32,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, lock_owner, shard_key
+from kvstrata.core.engine.requests import LoadSpec, StoreSpec
+from kvstrata.core.engine.scheduler_runtime import SchedulerRuntime
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.transfer.layouts import LayoutError
-from kvstrata.core.wire.client import CacheClient
-from kvstrata.core.wire.protocol import RequestType
 
 from .hooks import SglangLoadFailure
 from .kv_layout import blocks_of_slots
 
 log = logging.getLogger(__name__)
 
-BACK_OFF_TIMEOUTS = 5
-"""After a LOOKUP timed out, lookups skip kvstrata for this many lookup timeouts (the engine computes)."""
 POLL_INTERVAL = 0.0005
 IDLE_POLL = 0.02
 """How often the idle loader thread polls transfers that outlived their batch."""
@@ -64,6 +64,26 @@ def synchronize_events(events: Sequence[Any]) -> None:
     ``record_offload_ready``: the indices on the scheduler's stream, the pages on the forward stream) is done."""
     for event in events:
         event.synchronize()
+
+
+def lookup_pages_now(scheduler: SchedulerRuntime, lookups: Sequence[tuple[str, Sequence[str]]]) -> list[int]:
+    """Tokens the server holds of each ``(request id, page hashes)``, locked for the request, answered now (SGLang
+    asks no second time). The LOOKUPs go out together and are waited for once, bounded by ``lookup_timeout``.
+    0 for a miss and whenever the server did not answer (the runtime freed what they locked and backs off).
+    The request ids must differ; each hit stays locked until the runtime plans its load or is told it
+    ``finished``."""
+    hashes = dict(lookups)
+    try:
+        answers = {rid: scheduler.lookup_pages(rid, pages) for rid, pages in hashes.items()}
+        while waiting := [rid for rid, tokens in answers.items() if tokens is None]:
+            scheduler.wait_for_lookups(waiting)
+            answers.update({rid: scheduler.lookup_pages(rid, hashes[rid]) for rid in waiting})
+    except Exception as exc:  # a LOOKUP not even sent (the connection is closed): nothing is held, SGLang computes
+        log.warning("kvstrata LOOKUP of %d requests not sent (%s); SGLang computes them", len(hashes), exc)
+        for rid in hashes:
+            scheduler.finished(rid)
+        return [0] * len(lookups)
+    return [int(answers[rid] or 0) for rid, _ in lookups]
 
 
 class KvstrataLoadFailed(RuntimeError):
@@ -90,72 +110,43 @@ class LayerLoader:
         self.page_size = page_size
         self.settings = runtime.settings
         self._wait_for_offload_inputs = wait_for_offload_inputs
-        # lookups go on their own connection: the scheduler asks while the loader thread may be in a wait
-        self.client = CacheClient(self.settings.server_address, timeout=self.settings.lookup_timeout,
-                                  **self.settings.client_options())
-        self._queued: dict[str, LoadSpec] = {}
+        # this rank's scheduler side, on its own connection: SGLang asks while the loader thread may be in a wait
+        self.scheduler = SchedulerRuntime(runtime.adapter, self.settings, model=runtime.model, block_size=page_size,
+                                          world_size=runtime.world_size, rank=runtime.rank)
+        self._scheduler_lock = threading.Lock()
+        """SGLang's scheduler thread looks up and queues loads; the loader thread looks offloads up and ends loads."""
+        self._queued: set[str] = set()
+        """Loads planned in the scheduler runtime, not started yet."""
+        self._loads_of: dict[str, int] = {}
+        """Request id -> its loads queued or running: the scheduler runtime forgets it once none is left (a
+        request loaded again while an earlier load of it still runs is looked up under a new lock attempt)."""
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()
         """Loads whose failure the runtime reported (and recorded) since their batch started."""
         self._offload_results: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._runtime_lock = threading.Lock()
-        self._down_until = 0.0
-        self._unreachable_logged = False
         self._offload_ids = 0
         self._closed = False
         """Set by :meth:`close`: from then on nothing reaches the runtime (no call may register it again)."""
         self._thread = threading.Thread(target=self._run, name="kvstrata-sglang-loader", daemon=True)
         self._thread.start()
 
-    # --- keys ----------------------------------------------------------------------------
+    # --- the scheduler runtime ----------------------------------------------------------------
 
-    def _key(self, request_id: str, page_hashes: Sequence[str]) -> Any:
-        r = self.runtime
-        return shard_key(request_id, r.model, b"", None, rank=r.rank, world_size=r.world_size,
-                         instance_id=r.settings.instance_id, page_hashes=tuple(page_hashes),
-                         page_size=self.page_size)
+    def _held_pages(self, request_id: str, page_hashes: Sequence[str]) -> int:
+        """Whole pages of ``page_hashes`` the server holds, locked for ``request_id`` (0 if it did not answer).
+        The caller holds the scheduler lock."""
+        tokens = lookup_pages_now(self.scheduler, [(request_id, page_hashes)])[0]
+        return min(tokens // self.page_size, len(page_hashes))
 
-    def _lookup_pages(self, request_id: str, page_hashes: Sequence[str]) -> int | None:
-        """Whole pages of ``page_hashes`` the server holds, locked for ``request_id``; None if it did not answer."""
-        reply = self._lookup(request_id, page_hashes)
-        return None if reply is None else self._whole_pages(reply, page_hashes)
-
-    def _whole_pages(self, reply: dict[str, Any], page_hashes: Sequence[str]) -> int:
-        """Whole pages of ``page_hashes`` a LOOKUP reply says the server holds."""
-        return min(int(reply["hit_tokens"]) // self.page_size, len(page_hashes))
-
-    def _lookup(self, request_id: str, page_hashes: Sequence[str]) -> dict[str, Any] | None:
-        """The LOOKUP's reply for ``page_hashes`` (its hit locked for ``request_id``); None if it did not answer."""
-        if time.monotonic() < self._down_until:
-            return None
-        try:
-            reply = self.client.transport.wait(self.client.lookup_async(self._key(request_id, page_hashes)))
-        except TimeoutError:
-            self._down_until = time.monotonic() + self.settings.lookup_timeout * BACK_OFF_TIMEOUTS
-            if not self._unreachable_logged:
-                self._unreachable_logged = True
-                log.warning("kvstrata server %s did not answer LOOKUP within %.1fs; SGLang computes prompts "
-                            "instead (logged once until it answers again)", self.settings.server_address,
-                            self.settings.lookup_timeout)
-            self._free_lookup_locks(request_id)
-            return None
-        except Exception as exc:  # a server error: this request computes, the next asks again
-            log.warning("LOOKUP for %s failed (%s); SGLang computes the prompt instead", request_id, exc)
-            self._free_lookup_locks(request_id)
-            return None
-        self._unreachable_logged = False
-        return reply
-
-    def _free_lookup_locks(self, request_id: str) -> None:
-        """Release ``request_id``'s lookup locks (fire and forget: a lost release only delays an eviction).
-        Sent on the connection whose LOOKUP took them (the server lets only it, or the connection that
-        registered the owner's instance, free them)."""
-        owner = lock_owner(request_id, self.runtime.instance_id)
-        try:
-            self.client.transport.send_oneway(RequestType.FREE_LOOKUP_LOCKS, [owner])
-        except Exception as exc:  # only a closed client raises here
-            log.debug("FREE_LOOKUP_LOCKS for %s not sent: %s", owner, exc)
+    def _load_ended(self, request_id: str) -> int:
+        """One load of ``request_id`` was dropped or has settled; how many of its loads are left. The caller
+        holds the scheduler lock."""
+        left = self._loads_of.pop(request_id, 1) - 1
+        if left > 0:
+            self._loads_of[request_id] = left
+        return left
 
     # --- the scheduler's calls (SGLang's scheduler thread) -------------------------------------
 
@@ -164,10 +155,9 @@ class LayerLoader:
         if not page_hashes or not self._connected():
             return 0
         probe = f"{request_id}#lookup"
-        pages = self._lookup_pages(probe, page_hashes)
-        if pages is None:
-            return 0
-        self._free_lookup_locks(probe)  # load() locks what it will really retrieve
+        with self._scheduler_lock:
+            pages = self._held_pages(probe, page_hashes)
+            self.scheduler.finished(probe)  # its locks go now: load() locks what it will really retrieve
         return pages
 
     def _connected(self) -> bool:
@@ -198,32 +188,36 @@ class LayerLoader:
             log.warning("load for %s refused: %d pages of slots for %d page hashes", request_id, len(blocks),
                         len(page_hashes))
             return False
-        reply = self._lookup(request_id, page_hashes)  # locks the chunks for the load
-        pages = None if reply is None else self._whole_pages(reply, page_hashes)
-        if pages != len(page_hashes):
-            log.info("load for %s refused: the server holds %s of its %d pages now (evicted since the lookup?)",
-                     request_id, pages, len(page_hashes))
-            self._free_lookup_locks(request_id)
-            return False
-        r = self.runtime
-        self._queued[request_id] = LoadSpec(
-            request_id, request_id, b"", None, (tuple(blocks),), 0, self.settings.layers_per_slice,
-            tuple(page_hashes), self.page_size,
-            located=ChunkLocations.for_rank(reply, pages * self.page_size, r.rank, r.world_size))
+        with self._scheduler_lock:
+            pages = self._held_pages(request_id, page_hashes)  # locks the chunks for the load
+            if pages != len(page_hashes):
+                log.info("load for %s refused: the server holds %d of its %d pages now (evicted since the "
+                         "lookup?)", request_id, pages, len(page_hashes))
+                self.scheduler.finished(request_id)  # frees what it locked
+                return False
+            self.scheduler.allocated(request_id, (tuple(blocks),), pages * self.page_size)  # plans the load
+            self._queued.add(request_id)
+            self._loads_of[request_id] = self._loads_of.get(request_id, 0) + 1
         return True
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued load that has not started (its slots are about to be freed)."""
-        if self._queued.pop(request_id, None) is None:
-            return False
-        self._free_lookup_locks(request_id)
+        with self._scheduler_lock:
+            if request_id not in self._queued:
+                return False
+            self._queued.discard(request_id)
+            self._load_ended(request_id)
+            self.scheduler.finished(request_id)  # drops the load it planned, and frees its locks
         return True
 
     def start(self) -> int:
         """Start every queued load; SGLang's counter index for them, or -1 if none was queued."""
         if not self._queued:
             return -1
-        specs, self._queued = list(self._queued.values()), {}
+        with self._scheduler_lock:
+            # every queued load, in queue order (no step plans a store: SGLang offloads explicitly)
+            specs = self.scheduler.plan_step((), (), lambda _: ()).loads
+            self._queued.clear()
         batch = _Batch(self.counter.update_producer(), specs)
         self._tasks.put(lambda: self._load(batch))
         return batch.index
@@ -337,6 +331,10 @@ class LayerLoader:
                 log.error("kvstrata load of %s failed after %d of %d layers: %s", rids, completed,
                           self.counter.num_layers, reason)
                 self.counter.fail(batch.index, KvstrataLoadFailed(reason))
+            with self._scheduler_lock:  # the worker side freed the locks; the scheduler side forgets the request
+                for rid in rids:
+                    if self._load_ended(rid) == 0:
+                        self.scheduler.finished(rid)
 
     def _wait_layer(self, layer: int, rids: Sequence[str], released: set[str], deadline: float,
                     records: dict[str, Any]) -> dict[str, str]:
@@ -414,10 +412,11 @@ class LayerLoader:
             log.info("offload of %d pages skipped: kvstrata server %s not reachable", len(page_hashes),
                      self.settings.server_address)
             return None, False
-        stored = self._lookup_pages(request_id, page_hashes)  # skip what the server already holds
-        self._free_lookup_locks(request_id)
-        if stored is None:
-            return None, False
+        with self._scheduler_lock:
+            stored = self._held_pages(request_id, page_hashes)  # skip what the server already holds
+            self.scheduler.finished(request_id)  # its locks go at once
+            if self.scheduler.backing_off:  # the server did not answer: a store could only wait for it too
+                return None, False
         if stored >= len(page_hashes):
             return None, True
         return StoreSpec(request_id, b"", None, (tuple(blocks),), stored * self.page_size, page_hashes,
@@ -458,4 +457,4 @@ class LayerLoader:
                 with self._runtime_lock:
                     self.runtime.close()
             finally:
-                self.client.close()
+                self.scheduler.close()
