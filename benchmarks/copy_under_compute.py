@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from ttft import Decoder, Shapes, prefix_reader
     from kvstrata.core.shm import Segment
     from kvstrata.native import cuda_ext
-    from kvstrata.native.gpu_caches import GpuKVCache
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     ext = cuda_ext.load()
     dev = torch.device("cuda", 0)

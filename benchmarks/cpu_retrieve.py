@@ -22,8 +22,8 @@ import torch
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
-from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.adapters.reference.engine import LLAMA_8B, ReferenceEngine
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.engine.placement import Placement
 from kvstrata.core.engine.choose_placement import make_placement
 

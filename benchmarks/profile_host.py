@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import sys
 import time
 from typing import Any
 
@@ -43,7 +45,8 @@ def main() -> int:
     from kvstrata.core.transfer import planner
     from kvstrata.core.store.l1_store import L1Store
     from kvstrata.native.cuda_executor import CudaTransferEngine
-    from kvstrata.native.gpu_caches import GpuKVCache
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = args.tokens // 16
     cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
@@ -215,10 +218,11 @@ def report(prof: cProfile.Profile, times: list[float], what: str, top: int) -> N
 def profile_submit(args: argparse.Namespace) -> int:
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
     from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.gpu_caches import GpuKVCache
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = args.tokens // 16
     cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",

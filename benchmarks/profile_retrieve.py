@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
     from kvstrata.core.engine.server_placement import ServerPlacement
     from transfer import spin_until_settled  # the engine's poll, as the transfer benchmark models it
 
@@ -274,7 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nb = args.tokens // 16
     if gpu:
         from kvstrata.native.cuda_events import CudaEventBackend
-        from kvstrata.native.gpu_caches import GpuKVCache
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
         cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
                            num_blocks=2 * nb + 2, block_size=16)
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store_event = backend.store_event_handle
     else:
         from kvstrata.core.arrival.events import HostEventBackend
-        from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+        from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 
         cache = ReferenceEngine(ModelShape(32, 2, 1, 1, "bfloat16"), num_blocks=2 * nb + 2, block_size=16)
         backend = HostEventBackend()

@@ -27,7 +27,7 @@ from kvstrata.core.adapter_api.plugins import (
     load_adapter,
 )
 from kvstrata.core.adapter_api.types import PLACEMENTS, HarnessSpec
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import SliceHold
 
 from .drivers import DriverNotFound, find, make_driver
 from .pytest_plugin import selected_adapters

@@ -12,7 +12,7 @@ back), what the engine was told (releases, blocks to recompute) and what the
 runtime recorded (its JSON-lines record).
 
 The server is a real ``kvstrata serve`` child with the test-only slice hold
-(:mod:`kvstrata.core.testing.slice_hold`) installed; the same hold is installed
+(:mod:`kvstrata.conformance_tests.slice_hold`) installed; the same hold is installed
 in this process for engine placement, where the engine side copies itself. The
 rig holds a chosen load after a chosen number of slices, lets it go on, or
 kills the server while it is held: that is how the suite catches a transfer in
@@ -37,8 +37,8 @@ from kvstrata.core.arrival.board import ArrivalBoard, Progress
 from kvstrata.core.engine.record import read_record
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
@@ -71,19 +71,19 @@ class RigServer:
 
     def __init__(self, hold: SliceHold, l1_bytes: int = 256 << 20, chunk_size: int = 256) -> None:
         self.hold, self.l1_bytes, self.chunk_size = hold, l1_bytes, chunk_size
-        self.server: ServerProcess | None = None
+        self.server: HeldServerProcess | None = None
 
-    def get(self, chunk_size: int) -> ServerProcess:
+    def get(self, chunk_size: int) -> HeldServerProcess:
         if chunk_size != self.chunk_size:
             raise ValueError(f"the shared server stores {self.chunk_size}-token chunks, the rig asked {chunk_size}")
         if self.server is None:
-            self.server = ServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
+            self.server = HeldServerProcess(l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
                                         slice_hold=self.hold).start()
         return self.server
 
-    def restart(self) -> ServerProcess:
+    def restart(self) -> HeldServerProcess:
         """A fresh server on the same address and with the same hold, after the last one died."""
-        self.server = ServerProcess(address=self.server.address, l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
+        self.server = HeldServerProcess(address=self.server.address, l1_bytes=self.l1_bytes, chunk_size=self.chunk_size,
                                     slice_hold=self.hold).start()
         return self.server
 
@@ -113,7 +113,7 @@ class Rig:
     def __post_init__(self) -> None:
         self.instance_id = next(_instance_ids)
         self.placement = self.spec.placement
-        self.server: ServerProcess | None = None
+        self.server: HeldServerProcess | None = None
         self.proxy: RecordingProxy | None = None
         self.driver: Any = None
         self.client: CacheClient | None = None

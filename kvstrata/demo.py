@@ -13,8 +13,8 @@ import torch
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import LLAMA_8B, ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.adapters.reference.engine import LLAMA_8B, ReferenceEngine
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.engine.server_placement import ServerPlacement
 
 

@@ -5,7 +5,7 @@ import uuid
 import pytest
 
 from kvstrata.core.wire.client import CacheClient
-from kvstrata.core.testing.server_process import COUNT_FILE_VARIABLE, ServerProcess
+from kvstrata.server_process import COUNT_FILE_VARIABLE, ServerProcess
 
 _count_dir = tempfile.mkdtemp(prefix="kvstrata-server-count-")
 os.environ.setdefault(COUNT_FILE_VARIABLE, os.path.join(_count_dir, "starts"))
@@ -51,8 +51,8 @@ def client(server):
 @pytest.fixture(scope="session")
 def curve_keys(tmp_path_factory):
     """CURVE key files for tcp:// servers (which refuse to start without them): the server's pair, an
-    authorized client's and a stranger's (see kvstrata.core.testing.curve_keys)."""
-    from kvstrata.core.testing.curve_keys import CurveKeys
+    authorized client's and a stranger's (see kvstrata_testing.curve_keys)."""
+    from kvstrata_testing.curve_keys import CurveKeys
 
     return CurveKeys.make(str(tmp_path_factory.mktemp("curve") / "keys"))
 

@@ -2,7 +2,7 @@
 
 One real ``pytest --pyargs kvstrata.conformance_tests`` subprocess checks every
 deliberately broken adapter from
-``kvstrata.conformance_tests.selftest.broken_adapters`` and the reference
+``kvstrata_testing.conformance_selftest.broken_adapters`` and the reference
 adapter together; each adapter runs only the tests that exercise its rule (the
 ``selection`` plugin). The reference adapter, the positive control, runs every
 test any broken adapter runs, so a failure below cannot come from the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.conformance_tests.selftest.broken_adapters import BROKEN_RULES, adapter_spec, driver_option
-from kvstrata.conformance_tests.selftest.selection import ENV_VAR
+from kvstrata_testing.conformance_selftest.broken_adapters import BROKEN_RULES, adapter_spec, driver_option
+from kvstrata_testing.conformance_selftest.selection import ENV_VAR
 
 TIMEOUT = 900
 REFERENCE = "reference"
@@ -40,11 +40,13 @@ def suite_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     report = cwd / "report.xml"
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTRATA_ADAPTER", "KVSTRATA_CONFORMANCE_DRIVER")}
     env[ENV_VAR] = json.dumps(selection)
+    # the broken adapters and the selection plugin are test support, outside the installed package
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
     adapters = [a for spec in selection for a in ("--adapter", spec)]
     adapters += [a for name in BROKEN_RULES for a in ("--driver", driver_option(name))]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "kvstrata.conformance_tests", *adapters,
-         "-p", "kvstrata.conformance_tests.selftest.selection", "-p", "no:cacheprovider", "-q",
+         "-p", "kvstrata_testing.conformance_selftest.selection", "-p", "no:cacheprovider", "-q",
          f"--junitxml={report}"],
         capture_output=True, text=True, timeout=TIMEOUT, env=env, stdin=subprocess.DEVNULL, cwd=cwd)
     out = proc.stdout + proc.stderr

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire import codec
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.curve import HANDSHAKE_EVENTS, ClientCurve, CurveKeyError, ServerCurve, write_keypair

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstrata.core.transfer import planner
-from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.native.cuda_executor import CudaExecutor, plan_dma
 
 from helpers import SMALL_32

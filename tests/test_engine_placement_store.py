@@ -6,7 +6,7 @@ from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
@@ -137,7 +137,7 @@ def test_unregistering_the_instance_drops_its_reservations(client):
 def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_from_the_prompt_start():
     """RESERVE_STORE reserves chunk after chunk until the pool is full; the reply says so, and what was
     reserved stores (and later loads) like any reservation."""
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
 
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     chunk_bytes = engine.layout.object_bytes(64)

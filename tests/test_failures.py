@@ -6,9 +6,9 @@ from concurrent.futures import Future
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.server_placement import ServerPlacement
 

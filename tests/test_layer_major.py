@@ -8,13 +8,13 @@ import pytest
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.choose_placement import make_placement
 
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import SliceHold
 
 from helpers import (SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of,
                      store_prompt)

@@ -18,7 +18,7 @@ from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.adapters.reference.engine import ReferenceEngine
 
 from helpers import SMALL_32, engine_loop, random_prompt, store_prompt
 

@@ -20,8 +20,8 @@ from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.server.cache_server import CacheServer
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType

@@ -14,8 +14,8 @@ from kvstrata.core.adapter_api.types import HarnessSpec
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
-from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
+from kvstrata.conformance_tests.slice_hold import SliceHold
 
 from helpers import scheduler_lookup
 

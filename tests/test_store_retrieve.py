@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.wire.transport import RemoteError
 
 CHUNK = 64  # the `server` fixture's chunk size
@@ -137,7 +137,7 @@ def test_retrieve_without_lookup_is_refused_and_a_refused_retrieve_frees_nothing
 
 def test_eviction_under_a_full_pool_keeps_locked_chunks(server):
     from kvstrata.core.wire.client import CacheClient
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
 
     shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")  # 1 KiB/token
     obj = 64 * shape.kv_bytes_per_token()  # 128 KiB per chunk
@@ -165,7 +165,7 @@ def test_eviction_under_a_full_pool_keeps_locked_chunks(server):
 
 def test_full_pool_of_locked_chunks_rejects_store_and_keeps_serving():
     from kvstrata.core.wire.client import CacheClient
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
 
     shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")
     obj = 64 * shape.kv_bytes_per_token()
@@ -191,7 +191,7 @@ def test_full_pool_of_locked_chunks_rejects_store_and_keeps_serving():
 
 def test_a_store_larger_than_the_pool_keeps_the_chunks_that_fit_and_says_it_was_full():
     from kvstrata.core.wire.client import CacheClient
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
 
     shape = ModelShape(num_layers=2, num_heads=1, head_size=64, dtype="float32")
     with ServerProcess(l1_bytes=2 * 64 * shape.kv_bytes_per_token(), chunk_size=64) as small:
@@ -227,8 +227,8 @@ def test_ping_and_lookup_are_answered_while_a_long_transfer_runs(tmp_path):
     """Blocking handlers run on transfer threads: a retrieve held mid-transfer (test-only slice hold) must
     not stall the socket loop."""
     from kvstrata.core.wire.client import CacheClient
-    from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.testing.slice_hold import SliceHold
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
+    from kvstrata.conformance_tests.slice_hold import SliceHold
 
     tokens = 128
     hold = SliceHold(tmp_path / "hold")

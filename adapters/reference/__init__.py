@@ -5,7 +5,7 @@ in group ``kvstrata.adapters``, see pyproject.toml) and needs nothing but
 kvstrata, so the conformance suite always has one adapter that runs anywhere,
 and adapter authors have a complete, small example of each hook.
 
-The engine is :class:`kvstrata.core.testing.reference_engine.ReferenceEngine`:
+The engine is :class:`kvstrata.adapters.reference.engine.ReferenceEngine`:
 a paged KV cache in one private shared-memory segment, laid out
 ``[layer][kv, block, token, head, head_size]``, whose "prefill" writes KV that
 is a pure function of token, position, layer and plane. What it hands an
@@ -28,7 +28,7 @@ import torch
 
 from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.types import AdapterInfo, KVCacheDescription, NotSupported
-from kvstrata.core.testing.reference_engine import ModelShape
+from kvstrata.adapters.reference.engine import ModelShape
 from kvstrata.core.transfer.layouts import PagedKVLayout, Region, blocks_layout
 
 NAME = "reference"

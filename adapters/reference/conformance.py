@@ -14,7 +14,7 @@ from kvstrata.adapters import reference
 from kvstrata.adapters.reference import ReferenceKVCache, layer_groups_for, reference_layout
 from kvstrata.core.adapter_api.plugins import Adapter, load_adapter
 from kvstrata.core.adapter_api.types import HarnessSpec
-from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine, synthetic_kv
+from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine, synthetic_kv
 from kvstrata.conformance_tests.runtime_driver import RuntimeDriver
 from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 

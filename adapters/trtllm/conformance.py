@@ -2,8 +2,8 @@
 called in TensorRT-LLM 1.2's order with TensorRT-LLM's objects.
 
 TensorRT-LLM does not run here; its connector base classes, ``SchedulerOutput`` and ``RequestData`` come
-from the installed package or, where it is absent, from :mod:`.harness.standin` (installed by the pytest
-plugin :mod:`.harness.pytest_standin`). The driver builds one scheduler and one worker, as TensorRT-LLM
+from the installed package or, where it is absent, from the test stand-in ``kvstrata_testing.trtllm_harness.standin``
+(``tests/kvstrata_testing``, installed by the pytest plugin ``kvstrata_testing.trtllm_harness.pytest_standin``). The driver builds one scheduler and one worker, as TensorRT-LLM
 does on rank 0, and hands the worker a pool in TensorRT-LLM's format ``[blocks, layers, 2,
 heads*tokens*head]``, in shared memory so the server placement can be checked too (TensorRT-LLM's own pool
 is GPU memory: engine placement). The driver matches asynchronously (``async_load: true``): that is the

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def gpu_server():
     """One real `kvstrata serve` per module; every test registers its own instance id and request ids."""
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
 
     with ServerProcess(l1_bytes=512 << 20, chunk_size=64) as srv:
         yield srv

@@ -25,7 +25,7 @@ from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, l
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey, pack_tokens
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 
 from test_gpu_vllm_worker import BS, vllm_gpu_cache

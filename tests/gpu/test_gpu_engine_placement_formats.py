@@ -26,7 +26,7 @@ TOKENS = 300  # chunk 64 on the server: four full chunks and a partial one
 @pytest.mark.parametrize("fmt,dtype", FORMAT_CASES)
 def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.gpu_caches import GpuKVCache
+    from kvstrata_testing.gpu_caches import GpuKVCache
 
     nb = -(-TOKENS // 16)
     cache = GpuKVCache(fmt, num_layers=32, num_heads=4, head_size=64, dtype=dtype,

@@ -24,7 +24,7 @@ SKIP = 10  # the first copy starts inside its chunk
 
 
 def make_cache(fmt: str, dtype: str, num_blocks: int):
-    from kvstrata.native.gpu_caches import GpuKVCache
+    from kvstrata_testing.gpu_caches import GpuKVCache
 
     return GpuKVCache(fmt, num_layers=32, num_heads=2, head_size=64, dtype=dtype, num_blocks=num_blocks,
                       block_size=16)

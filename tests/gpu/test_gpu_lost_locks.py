@@ -19,9 +19,9 @@ from kvstrata.core.engine.requests import ChunkLocations, LoadSpec, StoreSpec, l
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 from kvstrata.core.store.keys import CacheKey, pack_tokens
-from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
+from kvstrata.server_process import ServerProcess
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 
 from test_gpu_engine_placement import wait_released

@@ -12,7 +12,7 @@ import torch
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.requests import ChunkLocations
@@ -28,7 +28,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
     """``server``: the server copies over CUDA IPC; ``worker``: engine-placement, stored through
     RESERVE_STORE/COMMIT_STORE and loaded from the mapped pool by this process's own copies."""
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.gpu_caches import GpuKVCache
+    from kvstrata_testing.gpu_caches import GpuKVCache
 
     nb = TOKENS // 16
     cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
-from kvstrata.adapters.trtllm.harness import standin
+from kvstrata_testing.trtllm_harness import standin
 from kvstrata.adapters.trtllm.settings import ENV_VAR
 from kvstrata.core.engine.record import read_record
 from kvstrata.core.engine.requests import lock_owner
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import SliceHold
 
 MAX_NEW = 4
 BOUND = 60.0
@@ -46,7 +46,7 @@ def trtllm_standin() -> Iterator[None]:
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    from kvstrata.adapters.trtllm.harness.model import TinyConfig
+    from kvstrata_testing.trtllm_harness.model import TinyConfig
 
     rng = random.Random(seed)
     return [[rng.randrange(TinyConfig().vocab) for _ in range(n)] for n in lengths]
@@ -54,7 +54,7 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 
 def warm_up(ex: Any) -> None:
     """TensorRT-LLM's warm-up: capture the decode graph (before any connector hook is registered)."""
-    from kvstrata.adapters.trtllm.harness.decode_graph import DecodeGraph
+    from kvstrata_testing.trtllm_harness.decode_graph import DecodeGraph
 
     ex.kv._free.remove(SCRATCH)
     ex.decode_graph = DecodeGraph(ex.model, ex.cfg, SCRATCH, ex.device)
@@ -63,9 +63,9 @@ def warm_up(ex: Any) -> None:
 def run(ps: list[list[int]], first_id: int, *, world: int = 1, connector: Any = None,
         hold_last: tuple[SliceHold, str, str, str] | None = None) -> tuple[dict[int, Any], list[str]]:
     """One engine over cudaMalloc'ed pools, every call on a non-default stream. Returns (done, placements)."""
-    from kvstrata.adapters.trtllm.harness.cuda_pool import CudaMallocPool
-    from kvstrata.adapters.trtllm.harness.executor import Executor
-    from kvstrata.adapters.trtllm.harness.model import TinyConfig
+    from kvstrata_testing.trtllm_harness.cuda_pool import CudaMallocPool
+    from kvstrata_testing.trtllm_harness.executor import Executor
+    from kvstrata_testing.trtllm_harness.model import TinyConfig
 
     cfg = TinyConfig()
     before = torch.cuda.memory_allocated()

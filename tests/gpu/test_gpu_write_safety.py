@@ -38,7 +38,7 @@ def test_a_cuda_region_larger_than_its_allocation_is_refused(gpu_server):
 def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
     from kvstrata.core.arrival.board import ArrivalBoard
     from kvstrata.native.cuda_events import CudaEventBackend
-    from kvstrata.native.gpu_caches import GpuKVCache
+    from kvstrata_testing.gpu_caches import GpuKVCache
 
     nb = TOKENS // 16
     cache = GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=4, head_size=64, dtype="bfloat16",

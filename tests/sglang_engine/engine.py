@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.adapters.sglang.reaper import watchers_of
-from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold
+from kvstrata.conformance_tests.slice_hold import ENVIRONMENT_VARIABLE, SliceHold
 
 HERE = Path(__file__).parent
 RUNNER = HERE / "sglang_runner.py"

@@ -61,7 +61,8 @@ a hang: each of kvstrata's shutdown waits is bounded by its own settings)."""
 
 def make_model(path: str) -> None:
     """This test suite's model: a random-weight float32 Llama whose outputs really depend on the KV."""
-    from kvstrata.core.testing.tiny_llama import write_random_llama
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: kvstrata_testing
+    from kvstrata_testing.tiny_llama import write_random_llama
 
     write_random_llama(path, layers=4, hidden=256, heads=4, kv_heads=2)
 
@@ -107,7 +108,7 @@ def main(config_path: str, out_path: str) -> int:
                 os.kill(int(step["kill"]), signal.SIGKILL)
                 result["steps"].append({"killed": step["kill"]})
             elif "open_hold" in step:
-                from kvstrata.core.testing.slice_hold import (
+                from kvstrata.conformance_tests.slice_hold import (
                     ENVIRONMENT_VARIABLE,
                     SliceHold,
                 )

@@ -22,7 +22,7 @@ pytest.importorskip("sglang", reason="SGLang is not installed (tox -e sglang ins
 
 from engine import P1, P2, P3, P4, PAGE, assert_same, hicache_engine, read_record, run_sglang  # noqa: E402
 
-from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
+from kvstrata.server_process import ServerProcess  # noqa: E402
 
 FLUSH = {"flush": True}
 MODEL = "hicache-test-model"

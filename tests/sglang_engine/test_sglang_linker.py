@@ -35,8 +35,8 @@ from engine import (  # noqa: E402  (beside this file)
     read_record,
     run_sglang,
 )
-from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
-from kvstrata.core.testing.slice_hold import UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess  # noqa: E402
+from kvstrata.conformance_tests.slice_hold import UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 
 FLUSH = {"flush": True}
 

@@ -1,5 +1,5 @@
 """TensorRT-LLM is not installable here: these tests install kvstrata's stand-in for its connector module
-(``kvstrata.adapters.trtllm.harness.standin``) in this test process, for the whole package, and remove it after."""
+(``kvstrata_testing.trtllm_harness.standin``) in this test process, for the whole package, and remove it after."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kvstrata.adapters.trtllm.harness import standin
+from kvstrata_testing.trtllm_harness import standin
 from kvstrata.adapters.trtllm.settings import ENV_VAR
 
 

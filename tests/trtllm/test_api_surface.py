@@ -8,7 +8,7 @@ import inspect
 import sys
 
 import pytest
-from kvstrata.adapters.trtllm.harness import standin
+from kvstrata_testing.trtllm_harness import standin
 
 # TensorRT-LLM 1.2.x, from the notes: method -> its parameters after self.
 WORKER_API = {

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from kvstrata.adapters.trtllm.harness import standin
-from kvstrata.adapters.trtllm.harness.executor import Executor, LlmRequestState
-from kvstrata.adapters.trtllm.harness.model import TinyConfig
+from kvstrata_testing.trtllm_harness import standin
+from kvstrata_testing.trtllm_harness.executor import Executor, LlmRequestState
+from kvstrata_testing.trtllm_harness.model import TinyConfig
 from kvstrata.core.engine.record import read_record
 from kvstrata.core.engine.requests import lock_owner
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.conformance_tests.slice_hold import SliceHold
 
 CFG = TinyConfig()
 CONNECTOR = standin.KvCacheConnectorConfig("kvstrata.adapters.trtllm.connector", "KvstrataScheduler",
@@ -249,7 +249,7 @@ def test_server_death_mid_load_fails_the_batch_and_nothing_hangs(deploy, tmp_pat
     the layer wait gives up within its bound, ``wait_for_save`` raises, the batch's requests fail
     (TensorRT-LLM 1.2 has no recompute path) and the record says so; the engine goes on."""
     from kvstrata.core.shm import create_cache_segment
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
 
     hold = SliceHold(tmp_path / "hold")
     p = prompts(17, (96,))[0]

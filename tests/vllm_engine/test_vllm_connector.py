@@ -22,8 +22,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs 
 from kvstrata.core.engine.requests import lock_owner, request_of_lock_owner  # noqa: E402
 from kvstrata.core.engine.settings import ENGINE_INSTANCE_BASE  # noqa: E402
 from kvstrata.core.wire.client import CacheClient  # noqa: E402
-from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
-from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
+from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess  # noqa: E402
+from kvstrata.conformance_tests.slice_hold import ENVIRONMENT_VARIABLE, UNTIL_ENGINE_WAITED, SliceHold  # noqa: E402
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 FAIL_FIRST_LOAD = "KVSTRATA_TEST_FAIL_FIRST_LOAD"  # vllm_runner.py's

@@ -12,7 +12,7 @@ from kvstrata.adapters.vllm.conformance import VllmConformanceDriver  # noqa: E4
 from kvstrata.adapters.vllm.connector import KvstrataConnector, KvstrataConnectorStats  # noqa: E402
 from kvstrata.core.adapter_api.types import HarnessSpec  # noqa: E402
 from kvstrata.core.engine.settings import RuntimeSettings  # noqa: E402
-from kvstrata.core.testing.server_process import ServerProcess  # noqa: E402
+from kvstrata.server_process import ServerProcess  # noqa: E402
 
 
 def test_get_kv_connector_stats_reports_the_interval_and_vllm_can_sum_and_reduce_it() -> None:

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from kvstrata.core.testing.slice_hold import ENVIRONMENT_VARIABLE, SliceHold, install_from_environment
+from kvstrata.conformance_tests.slice_hold import ENVIRONMENT_VARIABLE, SliceHold, install_from_environment
 
 FAIL_FIRST_LOAD = "KVSTRATA_TEST_FAIL_FIRST_LOAD"
 BARRIER_BOUND = 600.0
@@ -81,7 +81,8 @@ def meet(barrier: dict | None, point: str) -> None:
 
 def make_model(path: str) -> None:
     """This test suite's model: a random-weight float32 Llama whose outputs really depend on the KV."""
-    from kvstrata.core.testing.tiny_llama import write_random_llama
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: kvstrata_testing
+    from kvstrata_testing.tiny_llama import write_random_llama
 
     write_random_llama(path, layers=8, hidden=512, heads=8, kv_heads=4)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvstrata.core.adapter_api.hookspecs import hookimpl
 from kvstrata.core.adapter_api.types import AdapterInfo, KVCacheDescription, NotSupported
-from kvstrata.core.testing.reference_engine import ModelShape
+from kvstrata.adapters.reference.engine import ModelShape
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, PagedKVLayout, Region, trtllm_pool_layout
 
 NAME = "blockmajor"

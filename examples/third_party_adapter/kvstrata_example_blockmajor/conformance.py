@@ -15,7 +15,7 @@ from kvstrata.conformance_tests.runtime_driver import RuntimeDriver
 from kvstrata.core.adapter_api.plugins import Adapter
 from kvstrata.core.adapter_api.types import HarnessSpec, NotSupported
 from kvstrata.core.shm import create_cache_segment
-from kvstrata.core.testing.reference_engine import ModelShape, synthetic_kv
+from kvstrata.adapters.reference.engine import ModelShape, synthetic_kv
 from kvstrata.core.transfer.torch_executor import plane_view, scatter_staged
 
 from . import BlockMajorPool, pool_bytes, pool_layout

@@ -3,7 +3,7 @@
 SGLang's offline engine spawns its scheduler in a fresh interpreter, where no test code runs; this file is
 how the tests' process-wide settings reach it. It installs, each only when its environment variable is set:
 
-* the test-only slice hold (``KVSTRATA_TEST_SLICE_HOLD``, see ``kvstrata.core.testing.slice_hold``), which
+* the test-only slice hold (``KVSTRATA_TEST_SLICE_HOLD``, see ``kvstrata.conformance_tests.slice_hold``), which
   holds a chosen load after a chosen slice so an ordering is caught by construction, not by timing;
 * the CPU replacements HiCache needs (``KVSTRATA_TEST_SGLANG_HICACHE_CPU``, see ``hicache_cpu.py``).
 """
@@ -11,7 +11,7 @@ how the tests' process-wide settings reach it. It installs, each only when its e
 import os
 
 if os.environ.get("KVSTRATA_TEST_SLICE_HOLD"):
-    from kvstrata.core.testing.slice_hold import install_from_environment
+    from kvstrata.conformance_tests.slice_hold import install_from_environment
 
     install_from_environment()
 

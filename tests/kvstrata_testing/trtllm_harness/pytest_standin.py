@@ -1,6 +1,6 @@
 """pytest plugin: install the TensorRT-LLM stand-in (:mod:`.standin`) before tests load the adapter.
 
-``pytest --pyargs kvstrata.conformance_tests --adapter trtllm -p kvstrata.adapters.trtllm.harness.pytest_standin``
+``pytest --pyargs kvstrata.conformance_tests --adapter trtllm -p kvstrata_testing.trtllm_harness.pytest_standin``
 checks the adapter where TensorRT-LLM is not installed (the stand-in plays the engine's base classes; the
 kvstrata side is real). With TensorRT-LLM installed the plugin does nothing and says so.
 """

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-log = logging.getLogger("kvstrata.adapters.trtllm.harness")
+log = logging.getLogger("kvstrata_testing.trtllm_harness")
 
 _TYPESTR = {torch.float32: "<f4", torch.float16: "<f2", torch.uint8: "|u1"}
 _RUNTIME_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")

@@ -25,7 +25,7 @@ import torch
 
 from kvstrata.core.transfer.layouts import DTYPE_SIZES, sglang_layout, trtllm_pool_layout, vllm_layout
 
-from .cuda_ipc import export_region
+from kvstrata.native.cuda_ipc import export_region
 
 FORMATS = ("vllm-LBNHC", "vllm-LBHNC", "vllm-mla", "sglang", "sglang-mla", "trtllm")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,

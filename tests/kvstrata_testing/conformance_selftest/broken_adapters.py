@@ -2,8 +2,8 @@
 
 Each is the reference adapter with one hook or one engine-facing call changed,
 loaded by module path, its driver named beside it
-(``--adapter kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait
---driver kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait=kvstrata.conformance_tests.selftest.broken_adapters:NoLayerWait.conformance_driver``,
+(``--adapter kvstrata_testing.conformance_selftest.broken_adapters:NoLayerWait
+--driver kvstrata_testing.conformance_selftest.broken_adapters:NoLayerWait=kvstrata_testing.conformance_selftest.broken_adapters:NoLayerWait.conformance_driver``,
 see :func:`driver_option`).
 ``BROKEN_RULES`` says which rule each breaks and which tests show it.
 """

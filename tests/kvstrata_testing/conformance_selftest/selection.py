@@ -5,7 +5,7 @@ The self-test checks every deliberately broken adapter in one pytest process
 once, not once per adapter. ``KVSTRATA_SELFTEST_SELECTION`` maps each adapter
 spec to its selection, an expression of the ``-k`` shape ``a or b and c`` over
 the test's name (without the adapter's own id); tests outside an adapter's
-selection are deselected. Load it with ``-p kvstrata.conformance_tests.selftest.selection``.
+selection are deselected. Load it with ``-p kvstrata_testing.conformance_selftest.selection``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run a real ``kvstrata serve`` in a child process (tests, demo, benchmarks)."""
+"""Run a real ``kvstrata serve`` in a child process and wait until it answers (the demo, benchmarks, tests)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RequestTimeout, RemoteError
-
-if TYPE_CHECKING:
-    from kvstrata.core.testing.slice_hold import SliceHold
 
 
 COUNT_FILE_VARIABLE = "KVSTRATA_TEST_SERVER_COUNT_FILE"
@@ -28,8 +25,9 @@ class ServerProcess:
 
     def __init__(self, *, l1_bytes: int = 256 << 20, chunk_size: int = 256, address: str | None = None,
                  log_level: str = "WARNING", extra_args: list[str] | None = None,
-                 slice_hold: "SliceHold | None" = None, client_options: dict | None = None) -> None:
-        """``slice_hold``: the server runs with that test-only hold installed (see ``slice_hold.py``).
+                 entry: Sequence[str] = ("kvstrata",), client_options: dict | None = None) -> None:
+        """``entry``: what ``python -m`` runs, with its own leading arguments, before ``serve ARGS...`` (a
+        wrapper that sets the server up first, such as the conformance suite's slice hold).
         ``client_options``: :class:`CacheClient` keywords for connecting to it (CURVE keys for a tcp:// server,
         whose ``--curve-*`` flags go in ``extra_args``)."""
         if address is None:
@@ -37,9 +35,7 @@ class ServerProcess:
             os.chmod(self._tmp, 0o700)
             address = f"ipc://{self._tmp}/server.sock"
         self.address = address
-        self.slice_hold = slice_hold
         self.client_options = dict(client_options or {})
-        entry = ["kvstrata"] if slice_hold is None else ["kvstrata.core.testing.slice_hold", str(slice_hold.directory)]
         self.args = [sys.executable, "-m", *entry, "serve", "--address", address, "--l1-size", str(l1_bytes),
                      "--chunk-size", str(chunk_size), "--log-level", log_level, *(extra_args or [])]
         self.proc: subprocess.Popen | None = None

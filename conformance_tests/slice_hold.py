@@ -20,8 +20,8 @@ child (server placement) and in an engine's spawned processes:
 Ways to install it, none reachable from production code:
 
 * this process: ``with SliceHold(directory).installed(): ...``;
-* a server child: ``ServerProcess(slice_hold=hold)``, which runs
-  ``python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...``;
+* a server child: ``HeldServerProcess(slice_hold=hold)``, which runs
+  ``python -m kvstrata.conformance_tests.slice_hold DIRECTORY serve ARGS...``;
 * an engine's processes: ``KVSTRATA_TEST_SLICE_HOLD=DIRECTORY`` plus a
   ``sitecustomize`` on the engine's ``PYTHONPATH`` that calls
   :func:`install_from_environment` (the vLLM tests ship one).
@@ -43,9 +43,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from kvstrata.core.engine.requests import request_of_lock_owner
+from kvstrata.server_process import ServerProcess
 
 log = logging.getLogger("kvstrata.testing.slice_hold")
 
@@ -234,10 +235,20 @@ def install_from_environment() -> SliceHold | None:
     return hold
 
 
+class HeldServerProcess(ServerProcess):
+    """A ``kvstrata serve`` child with ``slice_hold`` installed in it (none: a plain server)."""
+
+    def __init__(self, *, slice_hold: SliceHold | None = None, **kwargs: Any) -> None:
+        if slice_hold is not None:
+            kwargs["entry"] = ("kvstrata.conformance_tests.slice_hold", str(slice_hold.directory))
+        super().__init__(**kwargs)
+        self.slice_hold = slice_hold
+
+
 def main(argv: list[str]) -> int:
-    """``python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...``: a server with the hold installed."""
+    """``python -m kvstrata.conformance_tests.slice_hold DIRECTORY serve ARGS...``: a server with the hold installed."""
     if len(argv) < 2:
-        print("usage: python -m kvstrata.core.testing.slice_hold DIRECTORY serve ARGS...", file=sys.stderr)
+        print("usage: python -m kvstrata.conformance_tests.slice_hold DIRECTORY serve ARGS...", file=sys.stderr)
         return 2
     SliceHold(argv[0]).install()
     from kvstrata.cli import main as cli_main
