@@ -22,9 +22,9 @@ import pytest
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.server_process import ServerProcess
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError

@@ -26,7 +26,7 @@ from kvstrata.core.adapter_api.plugins import (
 from kvstrata.core.adapter_api.types import AdapterInfo, HarnessSpec, KVCacheDescription, LoadFailure
 from kvstrata.core.arrival.events import HostEventBackend
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.server_process import ServerProcess
 
 
 class Complete:

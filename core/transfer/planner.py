@@ -30,7 +30,7 @@ OnLayerBatch = Callable[[int, int], None]
 
 SliceHook = Callable[[str, int], None]
 _slice_hook: SliceHook | None = None
-"""Test-only: ``kvstrata.core.testing.slice_hold`` installs it to hold a transfer at a chosen slice, so a
+"""Test-only: ``kvstrata.conformance_tests.slice_hold`` installs it to hold a transfer at a chosen slice, so a
 test can observe an in-flight state by construction instead of racing the copy. Called with (request id,
 slices published so far) before the first slice and after each one. Production never sets it."""
 
