@@ -7,23 +7,15 @@ import argparse
 import dataclasses
 import faulthandler
 import logging
-import re
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstrata.server_config import ServeSettings
 
 log = logging.getLogger("kvstrata")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'512M', '1G', '1GiB', '1048576' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 4G or a byte count)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
 
 
 def _setup_logging(level: str) -> None:
@@ -32,8 +24,8 @@ def _setup_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstrata.core.server.connections import ConnectionLimits
-    from kvstrata.core.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, default_address
+    from kvstrata.core.wire.transport import default_address
+    from kvstrata.server_config import add_flags
 
     from kvstrata import __version__
 
@@ -42,51 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a cache server until SIGTERM/SIGINT",
-                       description="Run a kvstrata cache server. Engines connect to --address, register their KV "
-                                   "cache, and STORE/RETRIEVE chunks of --chunk-size tokens kept in an L1 pool of "
-                                   "--l1-size bytes of shared memory (allocated at start, private to this user).")
-    s.add_argument("--address", default=None,
-                   help="ipc://PATH (its directory must be private to this user) or tcp://127.0.0.1:PORT "
-                        "(needs --curve-secret-key and --curve-clients) to bind (default: an IPC socket in a private "
-                        f"per-user directory, currently {default_address()})")
-    s.add_argument("--l1-size", type=parse_size, default=parse_size("1G"),
-                   help="bytes of host memory for cached KV, e.g. 512M, 8G (default 1G)")
-    s.add_argument("--chunk-size", type=int, default=256,
-                   help="tokens per stored chunk; engines' hits are multiples of this (default 256)")
-    s.add_argument("--transfer-threads", type=int, default=4,
-                   help="threads running STORE/RETRIEVE copies, so PING and LOOKUP never wait on them (default 4)")
-    s.add_argument("--busy-poll-ms", type=float, default=25.0,
-                   help="with a GPU cache registered, keep polling the socket without sleeping this long after "
-                        "each request, so the next one is taken at once (about one core while it lasts; 0 = off; "
-                        "default 25)")
-    s.add_argument("--cuda-mode", default="staged", choices=["staged", "kernel", "torch"],
-                   help="how GPU caches are copied, for A/B measurements (default staged; see "
-                        "kvstrata.native.cuda_executor)")
-    s.add_argument("--no-deferred-replies", dest="deferred_replies", action="store_false",
-                   help="with busy polling, answer a transfer from its own thread instead of the polling thread, "
-                        "for A/B measurements")
-    s.add_argument("--allow-remote", action="store_true",
-                   help="allow binding a non-loopback TCP address (CURVE-authenticated like any TCP), and serve "
-                        "metrics on every interface (off by default)")
-    s.add_argument("--curve-secret-key", default=None, metavar="FILE",
-                   help="the server's CURVE secret key file (NAME.key_secret, mode 0600, from `kvstrata keygen`); "
-                        "required for a tcp:// address, with --curve-clients")
-    s.add_argument("--curve-clients", default=None, metavar="DIR",
-                   help="a directory of the public key files (NAME.key) of the clients allowed to connect; any "
-                        "other client completes no handshake (read at start)")
-    s.add_argument("--max-message-bytes", type=parse_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
-                   help="the largest frame taken: a client sending a longer one is disconnected before it is read "
-                        f"(default {DEFAULT_MAX_MESSAGE_BYTES >> 20}M, a STORE or RETRIEVE of a prompt of millions "
-                        "of tokens)")
-    s.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (off by default)")
+                       description="Run a kvstrata cache server. Engines connect to --address (default "
+                                   f"{default_address()}), register their KV cache, and STORE/RETRIEVE chunks of "
+                                   "--chunk-size tokens kept in an L1 pool of --l1-size bytes of shared memory "
+                                   "(allocated at start, private to this user).")
+    add_flags(s)
     s.add_argument("--config", default=None, metavar="FILE",
-                   help="a TOML or YAML file of these settings, named as the flags "
-                        "without dashes (l1_size = \"4G\"); flags given here override it")
-    for limit in dataclasses.fields(ConnectionLimits):
-        s.add_argument("--" + limit.name.replace("_", "-"), type=float if limit.type == "float" else int,
-                       default=limit.default, help=f"{limit.metadata['help']} (default {limit.default})")
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   help="a TOML or YAML file of these settings, named as the flags without dashes "
+                        "(l1_size = \"4G\"), at its top level or in a [serve] table; flags given here override it")
 
     st = sub.add_parser("status", help="show a running server: pool use, instances, transfers, hit rate",
                         description="Ask a running kvstrata server for its state and print it; exit code 1 when "
@@ -120,25 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def serve(args: argparse.Namespace) -> int:
-    from kvstrata.core.server.cache_server import CacheServer, ServerConfig
-    from kvstrata.core.server.connections import ConnectionLimits
+def serve(settings: ServeSettings, config_file: str | None = None) -> int:
+    """Run a server with ``settings`` until SIGTERM or SIGINT (``config_file``: where some came from, logged)."""
+    from kvstrata.core.server.cache_server import CacheServer
     from kvstrata.core.wire.transport import default_address
-
-    config = ServerConfig(address=args.address or default_address(), l1_bytes=args.l1_size,
-                          chunk_size=args.chunk_size, transfer_threads=args.transfer_threads,
-                          allow_remote=args.allow_remote, busy_poll_ms=args.busy_poll_ms,
-                          deferred_replies=args.deferred_replies, metrics_port=args.metrics_port,
-                          max_message_bytes=args.max_message_bytes, curve_secret_key=args.curve_secret_key,
-                          curve_clients=args.curve_clients,
-                          limits=ConnectionLimits(**{f.name: getattr(args, f.name)
-                                                     for f in dataclasses.fields(ConnectionLimits)}))
     from kvstrata.native import target_openers
     from kvstrata.native.cuda_executor import CudaTransferConfig
 
-    cuda_config = CudaTransferConfig(mode=args.cuda_mode)
-    if args.config:
-        log.info("settings from %s, overridden by the command line's flags", args.config)
+    config = settings.server
+    if config.address is None:
+        config = dataclasses.replace(config, address=default_address())
+    cuda_config = CudaTransferConfig(mode=settings.cuda_mode)
+    if config_file:
+        log.info("settings from %s, overridden by the command line's flags", config_file)
     log.info("effective configuration: %s, GPU caches: %s", config, cuda_config)
     try:
         server = CacheServer(config, target_openers=target_openers(cuda_config))
@@ -171,34 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         return status(args)
     if args.command == "keygen":
         return keygen(args)
-    if args.command == "serve" and args.config:
-        from kvstrata.server_config import ConfigError, apply_config_file
+    if args.command == "serve":
+        from kvstrata.server_config import ConfigError, settings_from
 
         try:
-            apply_config_file(args, args.config, given=given_flags(parser, argv))
+            settings = settings_from(args)
         except ConfigError as exc:
             print(f"kvstrata serve: {exc}", file=sys.stderr)
             return 2
+        _setup_logging(settings.log_level)
+        return serve(settings, args.config)
     _setup_logging(args.log_level)
-    if args.command == "serve":
-        return serve(args)
     if args.command == "demo":
         from kvstrata.demo import run_demo
 
         return run_demo(tokens=args.tokens, layers_per_slice=args.layers_per_slice)
     return 2
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The ``serve`` settings given as flags on this command line (they override the config file)."""
-    serve_parser = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)) \
-        .choices["serve"]
-    given = set()
-    for action in serve_parser._actions:
-        for opt in action.option_strings:
-            if any(t == opt or t.startswith(opt + "=") for t in argv):
-                given.add(action.dest)
-    return given
 
 
 def status(args: argparse.Namespace) -> int:

@@ -1,95 +1,99 @@
-"""``kvstrata serve --config FILE``: every serve setting from a TOML or YAML file, flags overriding it.
+"""``kvstrata serve``'s settings: its flags and its config file, both derived from one declaration.
 
-Keys are the flags' names without the dashes (``l1_size``, ``chunk_size``, ...), at the top level or in a
-``[serve]`` table. An unknown key, or a value of the wrong kind, is an error naming the key and what it
-expects, so a typo never starts a server with a default the operator did not mean.
+:class:`ServeSettings` is the server's :class:`~kvstrata.core.server.config.ServerConfig` (per-connection limits
+included) plus what only the command uses (how GPU caches are copied, the log level). Each setting is a flag
+(``--l1-size``) and a config-file key (``l1_size``, or ``l1-size``), at the top level of a TOML or YAML file or in
+its ``[serve]`` table. A flag given on the command line overrides the file, the file overrides the default. An
+unknown key, or a value of the wrong kind, is an error naming the key and what it expects, so a typo never
+starts a server with a default the operator did not mean.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.server.config import Boolean, Choice, Declared, ServerConfig, build, check_value, declared, \
+    group, setting
+
+CUDA_MODES = ("staged", "kernel", "torch")
+"""The modes of :data:`kvstrata.native.cuda_executor.MODES`, named here so that building the command line does not
+import torch (a test checks the two agree)."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class ConfigError(ValueError):
     """The config file cannot be read, or a key in it is unknown or holds a bad value."""
 
 
-def _size(value: Any) -> int:
-    from kvstrata.cli import parse_size
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``kvstrata serve`` takes (except ``--config``, the file that sets the rest)."""
 
-    if isinstance(value, bool):
-        raise ValueError("a size (512M, 4G or a byte count)")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
+    server: ServerConfig = group(ServerConfig)
+    cuda_mode: str = setting("staged", Choice(*CUDA_MODES), "how GPU caches are copied (see "
+                             "kvstrata.native.cuda_executor)", benchmark=True)
+    log_level: str = setting("INFO", Choice(*LOG_LEVELS), "start-up logs the effective configuration")
+
+
+def _flag_type(item: Declared) -> Any:
+    def parse(text: str) -> Any:
         try:
-            return parse_size(value)
-        except argparse.ArgumentTypeError:
-            pass
-    raise ValueError("a size (512M, 4G or a byte count)")
+            return item.kind.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {exc}") from None
+    parse.__name__ = item.key
+    return parse
 
 
-def _int(low: int, high: int | None = None) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            raise ValueError(f"an integer in [{low}, {high if high is not None else 'inf'}]")
-        return value
-    return check
+def help_of(item: Declared) -> str:
+    """A setting's help as ``--help`` shows it: its own, its default, and whether it is a benchmark parameter."""
+    text = f"{item.help} (default {item.default_text})"
+    if isinstance(item.kind, Boolean) and item.default:
+        text = f"turns {item.key} off: {text}"
+    if item.benchmark:
+        text += "; a benchmark parameter, for A/B measurements, not a deployment setting"
+    return text.replace("%", "%%")
 
 
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError("a number >= 0")
-    return float(value)
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting of :class:`ServeSettings`. A flag not given leaves no attribute on the parsed
+    namespace (``argparse.SUPPRESS``), so :func:`settings_from` tells the given flags from the defaults."""
+    for item in declared(ServeSettings):
+        if isinstance(item.kind, Boolean):
+            if item.default:
+                parser.add_argument("--no-" + item.flag[2:], dest=item.key, action="store_false",
+                                    default=argparse.SUPPRESS, help=help_of(item))
+            else:
+                parser.add_argument(item.flag, dest=item.key, action="store_true", default=argparse.SUPPRESS,
+                                    help=help_of(item))
+            continue
+        parser.add_argument(item.flag, dest=item.key, type=_flag_type(item), default=argparse.SUPPRESS,
+                            choices=item.kind.choices, metavar=item.kind.metavar, help=help_of(item))
 
 
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("true or false")
-    return value
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags on the command line, by key (already checked by their types)."""
+    keys = {item.key for item in declared(ServeSettings)}
+    return {k: v for k, v in vars(args).items() if k in keys}
 
 
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError(f"one of {', '.join(choices)}")
-        return value
-    return check
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError("a non-empty string")
-    return value
-
-
-KEYS: dict[str, Callable[[Any], Any]] = {
-    "address": _str,
-    "l1_size": _size,
-    "chunk_size": _int(1),
-    "transfer_threads": _int(1),
-    "busy_poll_ms": _number,
-    "cuda_mode": _choice("staged", "kernel", "torch"),
-    "deferred_replies": _bool,
-    "allow_remote": _bool,
-    "metrics_port": _int(0, 65535),
-    "max_message_bytes": _size,
-    "curve_secret_key": _str,
-    "curve_clients": _str,
-    "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR"),
-    "lease_seconds": _number,
-    "max_instances_per_connection": _int(1),
-    "max_reserved_fraction": _number,
-    "max_lock_owners_per_connection": _int(1),
-    "max_prompt_tokens": _int(1),
-    "max_request_id_bytes": _int(1),
-}
+def settings_from(args: argparse.Namespace) -> ServeSettings:
+    """The effective settings: the defaults, overridden by ``args.config``'s file if given, overridden by the
+    flags given. ConfigError names the file and the key where one is bad."""
+    values = read_config(args.config) if getattr(args, "config", None) else {}
+    values.update(flag_values(args))
+    try:
+        return build(ServeSettings, values)
+    except ValueError as exc:  # a combination no single key's check refuses
+        raise ConfigError(str(exc)) from None
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """The file's settings, checked (an error names the file, the key and what was expected)."""
+    """The file's settings by key, each checked and normalised (sizes in bytes); an error names the file, the
+    key and what was expected."""
     try:
         text = open(path, "rb").read()
     except OSError as exc:
@@ -121,22 +125,15 @@ def read_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path} must hold a table of settings")
     if isinstance(data.get("serve"), dict) and len(data) == 1:
         data = data["serve"]
+    items = {item.key: item for item in declared(ServeSettings)}
     out = {}
     for key, value in data.items():
         norm = str(key).replace("-", "_")
-        check = KEYS.get(norm)
-        if check is None:
-            raise ConfigError(f"{path}: unknown setting {key!r}; known: {', '.join(KEYS)}")
+        item = items.get(norm)
+        if item is None:
+            raise ConfigError(f"{path}: unknown setting {key!r}; known: {', '.join(items)}")
         try:
-            out[norm] = check(value)
+            out[norm] = check_value(item, value)
         except ValueError as exc:
-            raise ConfigError(f"{path}: {key} = {value!r} is not {exc}") from None
+            raise ConfigError(f"{path}: {exc}") from None
     return out
-
-
-def apply_config_file(args: argparse.Namespace, path: str, *, given: set[str]) -> dict[str, Any]:
-    """Set ``args`` from the file for every setting not ``given`` as a flag; returns what the file set."""
-    applied = {k: v for k, v in read_config(path).items() if k not in given}
-    for key, value in applied.items():
-        setattr(args, key, value)
-    return applied

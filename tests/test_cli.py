@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvstrata.core.wire.client import CacheClient
-from kvstrata.cli import parse_size
+from kvstrata.core.server.config import parse_size
 
 
 def test_serve_help_explains_the_flags():
@@ -21,20 +23,91 @@ def test_serve_help_explains_the_flags():
 def test_serve_takes_the_a_b_switches_as_options():
     from kvstrata.cli import build_parser
     from kvstrata.native.cuda_executor import MODES
+    from kvstrata.server_config import CUDA_MODES, settings_from
 
     parser = build_parser()
-    args = parser.parse_args(["serve"])
-    assert args.cuda_mode == "staged" and args.deferred_replies is True
-    args = parser.parse_args(["serve", "--cuda-mode", "kernel", "--no-deferred-replies"])
-    assert args.cuda_mode == "kernel" and args.deferred_replies is False
+    settings = settings_from(parser.parse_args(["serve"]))
+    assert settings.cuda_mode == "staged" and settings.server.busy_poll_ms == 25.0
+    settings = settings_from(parser.parse_args(["serve", "--cuda-mode", "kernel", "--busy-poll-ms", "0"]))
+    assert settings.cuda_mode == "kernel" and settings.server.busy_poll_ms == 0.0
+    assert sorted(CUDA_MODES) == sorted(MODES)  # the CLI names the executor's modes without importing torch
     for mode in MODES:  # every mode the executor knows is accepted
-        assert parser.parse_args(["serve", "--cuda-mode", mode]).cuda_mode == mode
+        assert settings_from(parser.parse_args(["serve", "--cuda-mode", mode])).cuda_mode == mode
+    out = subprocess.run([sys.executable, "-m", "kvstrata", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--cuda-mode", "--busy-poll-ms"):  # kept, marked for what they are
+        entry = out.split("\n  " + flag + " ")[1].split("\n  --")[0]  # the flag's own help
+        assert "benchmark parameter" in entry, (flag, entry)
 
 
 def test_parse_size():
     assert parse_size("512M") == 512 << 20
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("4096") == 4096
+    for bad in ("lots", "-1M", "1X"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+
+
+def test_every_serve_setting_is_a_flag_and_a_config_key_from_one_declaration(tmp_path):
+    """The flags, the config keys and the checks all come from the settings dataclasses."""
+    from kvstrata.cli import build_parser
+    from kvstrata.core.server.config import ConnectionLimits, ServerConfig, declared
+    from kvstrata.server_config import ServeSettings, read_config, settings_from
+
+    items = declared(ServeSettings)
+    keys = [d.key for d in items]
+    for key in ("address", "l1_size", "chunk_size", "transfer_threads", "busy_poll_ms", "cuda_mode",
+                "allow_remote", "metrics_port", "max_message_bytes", "curve_secret_key",
+                "curve_clients", "log_level", "lease_seconds", "max_instances_per_connection",
+                "max_reserved_fraction", "max_lock_owners_per_connection", "max_prompt_tokens",
+                "max_request_id_bytes"):
+        assert key in keys, key
+    parser = build_parser()
+    defaults = settings_from(parser.parse_args(["serve"]))
+    assert defaults.server == ServerConfig() and defaults.server.limits == ConnectionLimits()
+    assert defaults.server.l1_bytes == 1 << 30 and defaults.log_level == "INFO"
+    # a file sets what no flag gives; a flag wins over the file (also an abbreviated one, as argparse allows)
+    config = tmp_path / "kvstrata.toml"
+    config.write_text('[serve]\nl1_size = "32M"\nchunk_size = 128\nlease-seconds = 5\ncuda_mode = "torch"\n')
+    assert read_config(str(config)) == {"l1_size": 32 << 20, "chunk_size": 128, "lease_seconds": 5.0,
+                                        "cuda_mode": "torch"}
+    settings = settings_from(parser.parse_args(["serve", "--config", str(config), "--chunk-size", "64",
+                                                "--max-reserved", "0.25"]))
+    assert settings.server.l1_bytes == 32 << 20 and settings.server.chunk_size == 64
+    assert settings.server.limits.lease_seconds == 5.0 and settings.server.limits.max_reserved_fraction == 0.25
+    assert settings.cuda_mode == "torch"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chunk-size", "0"], "argument --chunk-size: '0' is not an integer >= 1"),
+    (["--l1-size", "lots"], "argument --l1-size: 'lots' is not a size"),
+    (["--max-reserved-fraction", "1.5"], "argument --max-reserved-fraction: '1.5' is not a number in (0, 1]"),
+    (["--lease-seconds", "0"], "argument --lease-seconds: '0' is not a number > 0"),
+    (["--metrics-port", "70000"], "argument --metrics-port: '70000' is not an integer in [0, 65535]"),
+])
+def test_a_bad_flag_is_refused_naming_it(flags, message, capsys):
+    from kvstrata.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_value_in_code_is_refused_naming_the_setting():
+    from kvstrata.core.server.config import ConnectionLimits, ServerConfig
+
+    with pytest.raises(ValueError, match=r"chunk_size = 0 is not an integer >= 1"):
+        ServerConfig(chunk_size=0)
+    with pytest.raises(ValueError, match=r"max_reserved_fraction = 0 is not a number in \(0, 1\]"):
+        ConnectionLimits(max_reserved_fraction=0)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens = True is not an integer >= 1"):
+        ConnectionLimits(max_prompt_tokens=True)
+    config = ServerConfig(l1_bytes="16M")
+    assert config.l1_bytes == 16 << 20
+    config.chunk_size = -1  # the config is mutable: the server checks it again when it starts
+    with pytest.raises(ValueError, match="chunk_size = -1"):
+        config.check()
 
 
 def test_sigterm_shuts_down_cleanly_and_removes_shared_memory(tmp_path):
@@ -75,7 +148,7 @@ def test_demo_runs_and_checks_every_byte():
 
 def test_a_starting_server_removes_segments_left_by_dead_processes(tmp_path):
     from kvstrata.core.shm import SHM_DIR, Segment
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -95,7 +168,7 @@ def test_a_starting_server_removes_segments_left_by_dead_processes(tmp_path):
 def test_a_server_that_never_answers_is_not_left_running():
     import pytest
 
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
 
     sp = ServerProcess(l1_bytes=8 << 20)
     with pytest.raises(TimeoutError, match="did not answer PING"):

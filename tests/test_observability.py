@@ -150,8 +150,8 @@ def test_a_yaml_config_file_is_read_too(tmp_path: Path) -> None:
     from kvstrata.server_config import read_config
 
     config = tmp_path / "kvstrata.yaml"
-    config.write_text("serve:\n  l1_size: 2G\n  chunk_size: 512\n  deferred_replies: false\n")
-    assert read_config(str(config)) == {"l1_size": 2 << 30, "chunk_size": 512, "deferred_replies": False}
+    config.write_text("serve:\n  l1_size: 2G\n  chunk_size: 512\n  allow_remote: false\n")
+    assert read_config(str(config)) == {"l1_size": 2 << 30, "chunk_size": 512, "allow_remote": False}
 
 
 @pytest.mark.parametrize("body, message", [

@@ -15,7 +15,7 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kvstrata.core.transfer import planner
@@ -24,42 +24,16 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, LayoutError, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
-from kvstrata.core.server.connections import Connection, ConnectionLimits
+from kvstrata.core.server.config import ServerConfig
+from kvstrata.core.server.connections import Connection
 from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
-from kvstrata.core.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, Deferred, Server, hands_over_turn
+from kvstrata.core.wire.transport import Deferred, Server, hands_over_turn
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-
-
-@dataclass
-class ServerConfig:
-    address: str
-    l1_bytes: int = 1 << 30
-    chunk_size: int = 256
-    transfer_threads: int = 4
-    allow_remote: bool = False
-    busy_poll_ms: float = 25.0
-    """With a GPU cache registered: after each request, poll the socket without sleeping this long (0: off)."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (0: any free port; None: no endpoint). Loopback unless
-    ``allow_remote``."""
-    deferred_replies: bool = True
-    """With busy polling on, the polling thread answers a transfer once its copies are done, so the handler's
-    thread is free as soon as they are enqueued; False has the handler's thread wait and answer (for A/B
-    measurements)."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """The largest frame taken (ZMQ_MAXMSGSIZE): a peer sending a longer one is disconnected before it is read."""
-    curve_secret_key: str | None = None
-    """The server's CURVE secret key file (``NAME.key_secret``); with ``curve_clients``, only clients whose
-    public key is there are served (required on tcp://, see :mod:`kvstrata.core.wire.curve`)."""
-    curve_clients: str | None = None
-    """The directory of the authorized clients' CURVE public keys (``NAME.key``), read at start."""
-    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    """Per-connection bounds and the lease (see :mod:`kvstrata.core.server.connections`)."""
 
 
 @dataclass
@@ -149,9 +123,7 @@ class CacheServer:
     def __init__(self, config: ServerConfig, target_openers: Mapping[str, TargetOpener] | None = None) -> None:
         """``target_openers``: region kinds beyond shared memory this server can write into, by kind
         (``kvstrata serve`` passes :func:`kvstrata.native.target_openers`: CUDA IPC)."""
-        if config.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive, got {config.chunk_size}")
-        config.limits.check()
+        config.check()
         self.config = config
         self.limits = config.limits
         self.target_openers = dict(target_openers or {})
@@ -176,7 +148,7 @@ class CacheServer:
         self.connections_ended = 0
         self._busy_polling = False
         self.transport = Server(config.address, transfer_threads=config.transfer_threads,
-                                allow_remote=config.allow_remote, defer_replies=config.deferred_replies,
+                                allow_remote=config.allow_remote,
                                 max_message_bytes=config.max_message_bytes,
                                 curve_secret_key=config.curve_secret_key, curve_clients=config.curve_clients)
         handlers = {
