@@ -20,7 +20,7 @@ from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.placement import Placement
 from kvstrata.core.engine.server_placement import ServerPlacement
-from kvstrata.core.engine.settings import PLACEMENT_AUTO
+from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
 from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PLACEMENT_SERVER, PagedKVLayout
 from kvstrata.core.wire.client import CacheClient
@@ -71,8 +71,10 @@ def choose_placement(adapter: Adapter, wanted: str, kv_caches: Any) -> tuple[str
 def make_placement(name: str, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
                    event_backend: EventBackend | None = None, local_regions: Sequence[torch.Tensor] | None = None,
                    registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
-                   setup_timeout: float | None = None, pool_slots: int = 8, release_after_layers: int = 1,
-                   layer_wait_timeout: float = 10.0, retrieve_timeout: float = 120.0, shm_rings: bool | None = None,
+                   setup_timeout: float | None = None, pool_slots: int = RuntimeSettings.pool_slots,
+                   release_after_layers: int = 1,
+                   layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
+                   retrieve_timeout: float = RuntimeSettings.retrieve_timeout, shm_rings: bool | None = None,
                    transfer_queue_policy: str = POLICY_EARLIEST_RELEASED, pool_writable: bool = False,
                    handover_slices: int = HANDOVER_SLICES,
                    enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> Placement:

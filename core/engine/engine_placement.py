@@ -30,6 +30,7 @@ from kvstrata.core.arrival.gate import LayerArrivalGate
 from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord, StoreRecord
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
+from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
                                                  QueuedLoad, TransferQueue)
 from kvstrata.core.shm import Segment
@@ -48,7 +49,8 @@ class EnginePlacement(Placement):
 
     def __init__(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
                  local_regions: Sequence[torch.Tensor], event_backend: EventBackend | None = None,
-                 release_after_layers: int = 1, layer_wait_timeout: float = 10.0, retrieve_timeout: float = 120.0,
+                 release_after_layers: int = 1, layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
+                 retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                  registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
                  setup_timeout: float | None = None, shm_rings: bool | None = None,
                  transfer_queue_policy: str = POLICY_EARLIEST_RELEASED, pool_writable: bool = False,

@@ -41,6 +41,7 @@ from kvstrata.core.arrival.events import EventBackend, HostEventBackend
 from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
+from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer import planner
 from kvstrata.core.transfer.block_table import BlockTable
@@ -147,7 +148,8 @@ class Placement(ABC):
 
     def __init__(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
                  event_backend: EventBackend | None = None, release_after_layers: int = 1,
-                 layer_wait_timeout: float = 10.0, retrieve_timeout: float = 120.0,
+                 layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
+                 retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                  registration_layout: PagedKVLayout | None = None, shm_rings: bool = False) -> None:
         self.client = client
         self.instance_id = instance_id

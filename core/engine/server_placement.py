@@ -24,6 +24,7 @@ from kvstrata.core.arrival.gate import LayerArrivalGate
 from kvstrata.core.arrival.pool import ArrivalPool, ArrivalSlot
 from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord
 from kvstrata.core.engine.requests import ChunkLocations
+from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PagedKVLayout
@@ -44,8 +45,10 @@ class ServerPlacement(Placement):
     name = PLACEMENT_SERVER
 
     def __init__(self, client: CacheClient, instance_id: int, layout: PagedKVLayout, *,
-                 event_backend: EventBackend | None = None, pool_slots: int = 8, release_after_layers: int = 1,
-                 layer_wait_timeout: float = 10.0, retrieve_timeout: float = 120.0,
+                 event_backend: EventBackend | None = None, pool_slots: int = RuntimeSettings.pool_slots,
+                 release_after_layers: int = 1,
+                 layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
+                 retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                  registration_layout: PagedKVLayout | None = None, shm_rings: bool | None = None) -> None:
         """``pool_slots``: layer-major loads in flight at once (each holds an arrival slot); a load that finds
         none free runs chunk-major. ``shm_rings``: see :attr:`Placement.shm_rings` (on: the server's copies
