@@ -138,13 +138,6 @@ class SliceHold:
                 raise TimeoutError(f"transfer {request_id} was not held within {timeout:.0f}s")
             time.sleep(0.001)
 
-    def held_at(self, request_id: str) -> int:
-        """How many slices the held transfer had published when it stopped."""
-        path = self._held_file(request_id)
-        if path is None:
-            raise FileNotFoundError(f"transfer {request_id} is not held")
-        return int(path.read_text())
-
     # --- the copying side --------------------------------------------------------------------
 
     def install(self) -> None:

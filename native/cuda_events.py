@@ -49,11 +49,6 @@ class CudaEventBackend:
         with torch.cuda.device(self.index):
             return [bytes(e.ipc_handle()) for e in events]
 
-    def export_one(self, event: torch.cuda.Event) -> bytes:
-        """The wire handle of one interprocess event (e.g. the event a STORE waits on)."""
-        with torch.cuda.device(self.index):
-            return bytes(event.ipc_handle())
-
     def wait(self, event: Any) -> None:
         """Make the engine's current stream wait for ``event``; returns at once."""
         if event is None:

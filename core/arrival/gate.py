@@ -138,10 +138,6 @@ class LayerArrivalGate:
                         return False
             return True
 
-    def has_layer(self, layer: int) -> bool:
-        with self._cond:
-            return self._slice_of_layer[layer] is not None
-
     def wait_for_layer(self, layer: int, timeout: float, *, refresh: Callable[[], None] | None = None,
                        on_completion: Callable[[Any], None] | None = None,
                        on_missing: Callable[[], None] | None = None, poll_interval: float = 0.0005) -> bool:

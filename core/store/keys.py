@@ -41,11 +41,6 @@ def check_token_bytes(data: bytes) -> None:
         raise ValueError(f"token bytes must be a multiple of {TOKEN_DTYPE.itemsize}, got {len(data)}")
 
 
-def unpack_tokens(data: bytes) -> np.ndarray:
-    check_token_bytes(data)
-    return np.frombuffer(data, dtype=TOKEN_DTYPE)
-
-
 @dataclass(frozen=True)
 class CacheKey:
     """The wire form of a key (see ``protocol.CACHE_KEY``) as a typed object."""

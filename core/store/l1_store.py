@@ -212,10 +212,6 @@ class L1Store:
         with self._lock:
             return self._holders.get(request_id)
 
-    def owners_held_by(self, holder: object) -> list[str]:
-        with self._lock:
-            return [o for o, h in self._holders.items() if h is holder]
-
     def pin(self, objects: Iterable[StoredObject]) -> None:
         """Lock objects for a transfer of the server's own (released by :meth:`unpin`), whatever happens to the
         lookup locks meanwhile."""
