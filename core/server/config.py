@@ -265,8 +265,9 @@ def build(cls: type, values: Mapping[str, Any]) -> Any:
 class ConnectionLimits:
     """What one connection may hold at once (see :mod:`kvstrata.core.server.connections`)."""
 
-    lease_seconds: float = setting(30.0, Number(0, above=True, metavar="SECONDS"), "a connection silent this long (no request, no "
-                                   "heartbeat) loses everything it holds (its client sends a heartbeat every second)")
+    lease_seconds: float = setting(30.0, Number(0, above=True, metavar="SECONDS"), "a connection silent this long "
+                                   "(no request, no heartbeat) loses everything it holds (its client sends a "
+                                   "heartbeat every second)")
     max_instances_per_connection: int = setting(64, Integer(1), "caches one connection may register at once (an "
                                                 "engine process registers one per rank it serves); also bounds "
                                                 "the arrival boards it may name")
@@ -292,11 +293,13 @@ class ServerConfig:
     """None: ``kvstrata serve`` binds :func:`~kvstrata.core.wire.transport.default_address`."""
     l1_bytes: int = setting(1 << 30, Size(), "bytes of host memory for cached KV, e.g. 512M, 8G", key="l1_size",
                             default_text="1G")
-    chunk_size: int = setting(256, Integer(1, metavar="TOKENS"), "tokens per stored chunk; engines' hits are multiples of this")
+    chunk_size: int = setting(256, Integer(1, metavar="TOKENS"), "tokens per stored chunk; engines' hits are "
+                              "multiples of this")
     transfer_threads: int = setting(4, Integer(1), "threads running STORE/RETRIEVE copies, so PING and LOOKUP "
                                     "never wait on them")
-    busy_poll_ms: float = setting(25.0, Number(0, metavar="MS"), "with a GPU cache registered, keep polling the socket without "
-                                  "sleeping this long after each request, so the next one is taken at once "
+    busy_poll_ms: float = setting(25.0, Number(0, metavar="MS"), "with a GPU cache registered, keep polling the "
+                                  "socket without sleeping this long after each request, so the next one is taken at "
+                                  "once "
                                   "(about one core while it lasts; 0 = off)", default_text="25", benchmark=True)
     allow_remote: bool = setting(False, Boolean(), "allow binding a non-loopback TCP address (CURVE-authenticated "
                                  "like any TCP), and serve metrics on every interface", default_text="off")
