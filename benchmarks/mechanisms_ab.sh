@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Does each latency mechanism of the server pay for itself? First-token time under compute (benchmarks/ttft.py),
-# every arm checked byte-exact, one model shape (Llama-3.1-8B layers, vLLM's layout):
-#   placement arms: shared-memory rings + GPU mailbox (server vs server-norings), the mailbox alone
-#   (server-nomailbox), round-robin slice order (engine vs engine-rr), in one run (the arms' order rotates every
-#   rep) and again with the arms created and first used in the reverse order;
-#   server flags: deferred replies, busy polling, the kernel CUDA mode, each a run of its own, in the order
-#   defaults, flag1, flag2, flag3, flag3, flag2, flag1, defaults.
+# Does busy polling pay for itself? First-token time under compute (benchmarks/ttft.py), every arm checked
+# byte-exact, one model shape (Llama-3.1-8B layers, vLLM's layout), with the server's defaults and with
+# --busy-poll-ms 0, in the order defaults, off, off, defaults. The other latency mechanisms this script measured
+# (rings, mailbox, deferred replies, turn hand-over, kernel mode, round-robin) were removed on its figures:
+# docs/decisions.md; the script that measured them is this file at commit d421ace.
 # Summarize with `python benchmarks/mechanisms_summary.py OUT_DIR`.
 #   bash benchmarks/mechanisms_ab.sh OUT_DIR
 set -u
@@ -27,11 +25,8 @@ run() {  # name, then ttft.py arguments
     > "$out/$name.txt" 2>&1 || echo "$name: exit $?"
   echo "$name done at $(date +%T)"
 }
-run placements-forward --placements server,server-norings,server-nomailbox,engine,engine-rr
-run placements-reverse --placements engine-rr,engine,server-nomailbox,server-norings,server
-flags=("defaults:" "no-deferred-replies:--no-deferred-replies" "no-busy-poll:--busy-poll-ms 0"
-       "kernel-mode:--cuda-mode kernel")
-order=(0 1 2 3 3 2 1 0)
+flags=("defaults:" "no-busy-poll:--busy-poll-ms 0")
+order=(0 1 1 0)
 for n in "${!order[@]}"; do
   f=${flags[${order[$n]}]}
   run "flags-$n-${f%%:*}" --placements server,engine "--server-args=${f#*:}"

@@ -1,11 +1,11 @@
-"""Summarize ``benchmarks/mechanisms_ab.sh``: for each latency mechanism, first-token time with it and without it.
+"""Summarize ``benchmarks/mechanisms_ab.sh``: first-token time with a server mechanism and without it.
 
     python benchmarks/mechanisms_summary.py OUT_DIR [--json OUT_DIR/summary.json]
 
-For each mechanism and arm (placement and slice width), the median first-token time at one request and the mean
-at four concurrent requests, with the mechanism and without it, in each order the runs were made. The spread is
-what the same settings measured twice differ by (the two runs with the server's defaults, and the arms in both
-placement runs). A mechanism pays only if removing it is slower by more than the spread in every order.
+For each arm (placement and slice width), the median first-token time at one request and the mean at four
+concurrent requests, with the mechanism (the server's defaults) and without it, in each half of the runs. The
+spread is what the same settings measured twice differ by (the two runs with the defaults). A mechanism pays only
+if removing it is slower by more than the spread in both halves.
 """
 
 from __future__ import annotations
@@ -52,15 +52,6 @@ def compare(rows: list[dict[str, Any]], mechanism: str, order: str, with_run: di
 
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
-    for order in ("forward", "reverse"):
-        run = runs.get(f"placements-{order}")
-        if run is None:
-            continue
-        for width in ("chunk", "w1"):
-            compare(rows, "rings and mailbox", order, run, f"server/{width}", run, f"server-norings/{width}")
-            compare(rows, "mailbox", order, run, f"server/{width}", run, f"server-nomailbox/{width}")
-            compare(rows, "round-robin order (without = earliest released)", order, run, f"engine-rr/{width}", run,
-                    f"engine/{width}")
     flag_runs = {name: run for name, run in runs.items() if name.startswith("flags-")}
     defaults = [run for name, run in sorted(flag_runs.items()) if name.endswith("-defaults")]
     for name, run in sorted(flag_runs.items()):
@@ -68,20 +59,16 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             continue
         flag = name.split("-", 2)[2]
         position = int(name.split("-")[1])
-        base = defaults[0] if position < 4 or len(defaults) < 2 else defaults[1]
+        half = position < len(flag_runs) // 2
+        base = defaults[0] if half or len(defaults) < 2 else defaults[1]
         for arm in ARMS_OF["server"] + ARMS_OF["engine"]:
-            compare(rows, f"{flag} (with = the default)", "first half" if position < 4 else "second half",
+            compare(rows, f"{flag} (with = the default)", "first half" if half else "second half",
                     base, arm, run, arm)
     spread = []
     if len(defaults) == 2:
         for arm in ARMS_OF["server"] + ARMS_OF["engine"]:
             a, b = figures(defaults[0], arm), figures(defaults[1], arm)
             spread.append({"arm": arm, "same_settings_ms": [a, b],
-                           "difference": [round(abs(b[i] / a[i] - 1), 4) for i in range(2)]})
-    if "placements-forward" in runs and "placements-reverse" in runs:
-        for arm in ("server/chunk", "server/w1", "engine/chunk", "engine/w1"):
-            a, b = figures(runs["placements-forward"], arm), figures(runs["placements-reverse"], arm)
-            spread.append({"arm": arm + " (placement runs)", "same_settings_ms": [a, b],
                            "difference": [round(abs(b[i] / a[i] - 1), 4) for i in range(2)]})
     return {"rows": rows, "spread": spread,
             "note": "figures are [median TTFT at 1 request, mean TTFT at 4 requests] in ms; without_vs_with > 0 "

@@ -157,7 +157,8 @@ def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:
 
 
 def llama_cache(tokens: int, block_size: int):
-    from kvstrata.native.gpu_caches import GpuKVCache
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = tokens // block_size
     return GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
@@ -283,20 +284,17 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
 
 
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
-                   widths: list[int], server_args: list[str] | None = None, rings: str = "all",
-                   placement: str = "server", locate: str = "lookup", worker_rings: bool | None = None
-                   ) -> dict[str, Any]:
-    """``server_args``: more ``kvstrata serve`` options; ``rings``: what the engine's client attaches (see
-    ``kvstrata.core.wire.transport.RingSetting``). ``placement``: ``server`` (the server copies into the cache
-    over CUDA IPC) or ``worker`` (engine-placement: this process maps the pool read-only and copies with its own
+                   widths: list[int], server_args: list[str] | None = None,
+                   placement: str = "server", locate: str = "lookup") -> dict[str, Any]:
+    """``server_args``: more ``kvstrata serve`` options. ``placement``: ``server`` (the server copies into the
+    cache over CUDA IPC) or ``engine`` (engine placement: this process maps the pool and copies with its own
     streams; the prompt is stored through a second, server-placement instance). ``locate`` (engine placement):
     ``lookup`` starts each load from where its LOOKUP found the chunks, as the engine runtime does;
-    ``retrieve`` asks RETRIEVE first (the A/B). ``worker_rings``: the engine-placement worker's ``shm_rings``
-    (None: its default, none attached)."""
+    ``retrieve`` asks RETRIEVE first (the A/B)."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.core.store.keys import CacheKey
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
     from kvstrata.core.engine.engine_placement import EnginePlacement
     from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.native.cuda_events import CudaEventBackend
@@ -308,14 +306,13 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     truth = cache.random_kv(tokens, seed=2)
     cache.write(truth, src)
     torch.cuda.synchronize()
-    out: dict[str, Any] = {"mode": mode, "server_args": server_args or [], "rings": rings}
+    out: dict[str, Any] = {"mode": mode, "server_args": server_args or []}
     if placement == "engine":
         out["locate"] = locate
-        out["worker_rings"] = worker_rings
     with ServerProcess(l1_bytes=2 * nbytes + (64 << 20), chunk_size=chunk, log_level="WARNING",
                        extra_args=["--cuda-mode", mode, *(server_args or [])]) as srv:
         backend = CudaEventBackend("cuda:0")
-        client = CacheClient(srv.address, timeout=120.0, rings=rings)
+        client = CacheClient(srv.address, timeout=120.0)
         storer = ServerPlacement(client, 0, cache.layout, event_backend=backend)
         worker = storer
         area = None
@@ -328,12 +325,10 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 from kvstrata.core.engine.registration_area import RegistrationArea
 
                 area = RegistrationArea(cache.layout, chunk_size=chunk)
-                # a connection of its own: the storer's shared-memory rings (server placement) must not carry
-                # the engine-placement worker's requests, which by default travel over ZMQ alone
-                worker_client = CacheClient(srv.address, timeout=120.0, rings=rings)
+                worker_client = CacheClient(srv.address, timeout=120.0)  # a connection of its own, as an engine's
                 worker = EnginePlacement(worker_client, 1, cache.layout, event_backend=backend,
                                          local_regions=cache.region_tensors(), registration_layout=area.layout,
-                                         pool_writable=True, shm_rings=worker_rings)
+                                         pool_writable=True)
                 t = time.perf_counter()
                 worker.register()  # maps the pool (writable: it stores too) and registers it for DMA
                 out["worker_register_s"] = round(time.perf_counter() - t, 3)
@@ -491,7 +486,7 @@ def measure_sglang_offload(tokens: int, chunk: int, reps: int, forward_ms: list[
     from kvstrata.core.adapter_api.plugins import load_adapter
     from kvstrata.core.engine.settings import RuntimeSettings
     from kvstrata.core.engine.worker_runtime import WorkerRuntime
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
 
     layers, heads, dim = 32, 8, 128
 
@@ -622,23 +617,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--modes", default="staged,kernel", help="copy modes, the first is primary (targets)")
+    p.add_argument("--modes", default="staged", help="the server's copy modes (kvstrata serve --cuda-mode), the "
+                   "first is primary (targets)")
     p.add_argument("--widths", default="0,1,2,4,8,32", help="0 = chunk-major")
     p.add_argument("--cta-sweep", default="8,16,33,66,132,264,528")
     p.add_argument("--skip", default="",
                    help="comma list of phases to skip: raw, rawzmq, inprocess, server, engine (every engine-placement "
-                        "phase), locate_ab (only the engine-placement loads that ask RETRIEVE where the chunks are), "
-                        "rings_ab (only the engine-placement worker with shared-memory rings), sglang_offload "
+                        "phase), locate_ab (only the engine-placement loads that ask RETRIEVE where the chunks are), sglang_offload "
                         "(SGLang's offload path)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this (engine) process in seconds; 0 keeps Python's default, "
                         "as an engine would")
     p.add_argument("--ab", action="append", default=[], metavar="NAME=SETTING",
                    help="also run the primary mode's server phase as variant NAME, right after it on the same "
-                        "machine: SETTING is kvstrata serve options and, for the engine side, rings=all|rings|"
-                        "replies|none (what its client attaches), space separated; e.g. "
-                        "--ab 'poll_5=--busy-poll-ms 5' --ab no_defer=--no-deferred-replies "
-                        "--ab no_mailbox=rings=rings (repeatable)")
+                        "machine: SETTING is kvstrata serve options, space separated; e.g. "
+                        "--ab 'poll_5=--busy-poll-ms 5' (repeatable)")
     p.add_argument("--offload-forward-ms", default="0,5",
                    help="sglang_offload phase: the forward stand-in's compute before it writes the pages, per arm "
                         "(0: the pages' write alone, so little of the reservation is hidden)")
@@ -674,19 +667,15 @@ def main(argv: list[str] | None = None) -> int:
         phases.append((f"server_{mode}", lambda m=mode: measure_server(m, args.tokens, args.chunk, args.block_size,
                                                                        args.reps, widths)))
         if mode == modes[0]:
-            for name, cli, rings in variants:
-                phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli, r=rings: measure_server(
-                    m, args.tokens, args.chunk, args.block_size, args.reps, widths, c, r)))
+            for name, cli in variants:
+                phases.append((f"server_{mode}_{name}", lambda m=mode, c=cli: measure_server(
+                    m, args.tokens, args.chunk, args.block_size, args.reps, widths, c)))
     phases.append(("engine_placement", lambda: measure_server(modes[0], args.tokens, args.chunk, args.block_size,
                                                                args.reps, widths, placement="engine")))
     if "locate_ab" not in skip:  # the same engine-placement loads, each asking RETRIEVE where its chunks are
         phases.append(("engine_placement_retrieve", lambda: measure_server(
             modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="engine",
             locate="retrieve")))
-    if "rings_ab" not in skip:  # the same engine-placement loads and stores with the worker's rings attached
-        phases.append(("engine_placement_rings", lambda: measure_server(
-            modes[0], args.tokens, args.chunk, args.block_size, args.reps, widths, placement="engine",
-            worker_rings=True)))
     if "sglang_offload" not in skip:  # SGLang's write-through: the reservation sent before the forward ends
         phases.append(("sglang_offload", lambda: measure_sglang_offload(
             args.tokens, args.chunk, args.reps, [float(x) for x in args.offload_forward_ms.split(",")])))
@@ -723,24 +712,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not result["errors"] else 1
 
 
-def parse_ab(spec: str) -> tuple[str, list[str], str]:
-    """``NAME=SETTING`` (see ``--ab``) -> (name, kvstrata serve options, the engine client's ring setting)."""
-    from kvstrata.core.wire.transport import RING_SETTINGS
-
+def parse_ab(spec: str) -> tuple[str, list[str]]:
+    """``NAME=SETTING`` (see ``--ab``) -> (name, kvstrata serve options)."""
     name, _, setting = spec.partition("=")
-    cli, rings = [], "all"
+    cli = []
     for word in setting.split():
-        if word.startswith("rings="):
-            rings = word.split("=", 1)[1]
-            if rings not in RING_SETTINGS:
-                raise SystemExit(f"--ab {spec!r}: rings must be one of {', '.join(RING_SETTINGS)}")
-        elif "=" in word and not word.startswith("--") and word.split("=")[0].isupper():
+        if "=" in word and not word.startswith("--") and word.split("=")[0].isupper():
             raise SystemExit(f"--ab {spec!r}: {word} looks like an environment setting; the A/B switches are "
-                             "kvstrata serve options (--cuda-mode, --no-deferred-replies, --busy-poll-ms) "
-                             "and rings=... for the engine side")
-        else:
-            cli.append(word)
-    return name, cli, rings
+                             "kvstrata serve options (e.g. --busy-poll-ms)")
+        cli.append(word)
+    return name, cli
 
 
 def llama_cache_bytes(tokens: int) -> int:

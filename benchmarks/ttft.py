@@ -7,23 +7,20 @@ context are time-sliced against that compute. This benchmark runs the compute.
 * The engine: Llama-3.1-8B-shaped decoder layers (random bf16 weights: 4096 hidden, 32 query heads, 8 KV
   heads of 128, MLP 14,336, 32 layers) whose attention reads the cached prefix from the paged KV cache in
   each engine's own format: vLLM's LBNHC layers, SGLang's per-layer ``k_buffer``/``v_buffer``, TensorRT-LLM's
-  ``[blocks, layers, 2, tokens*heads*head]`` pool (``kvstrata.native.gpu_caches``).
+  ``[blocks, layers, 2, tokens*heads*head]`` pool (``kvstrata_testing.gpu_caches``).
 * The load: a 15,104-token cached prefix (1.84 GiB of KV) per request, stored in a real ``kvstrata serve``
   process, plus 256, 1,024 or 2,048 new tokens computed on top of it.
 * Arms: ``resident`` (the KV is already in the cache: compute alone), chunk-major (width 0) and layer-major
   widths, each in both placements: ``server`` (the server process writes the cache over CUDA IPC) and
-  ``worker`` (engine-placement: this process copies from the server's pool with its own streams, through its
-  one transfer queue; ``engine-rr`` is the same with the queue's ``round_robin`` policy). A placement named
-  with ``-norings`` (``server-norings``) is the same without the shared-memory rings and the GPU mailbox, one
-  named with ``-rings`` (``worker-rings``) the same with them (their A/B on first-token time). An
-  engine-placement load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
-  named with ``-retrieve`` (``worker-retrieve``) asks RETRIEVE first instead (that A/B). One named with
-  ``-ctasN`` (``worker-ctas33``) bounds the engine-placement scatter kernel to N thread blocks per launch (the
-  default is two per SM); ``-bufsN`` (``worker-bufs4``) gives its copies N staging buffers (the default is
+  ``engine`` (engine placement: this process copies from the server's pool with its own streams, through its
+  one transfer queue). An engine-placement load starts from where its LOOKUP found the chunks, as the engine runtime does; a placement
+  named with ``-retrieve`` (``engine-retrieve``) asks RETRIEVE first instead (that A/B). One named with
+  ``-ctasN`` (``engine-ctas33``) bounds the engine-placement scatter kernel to N thread blocks per launch (the
+  default is two per SM); ``-bufsN`` (``engine-bufs4``) gives its copies N staging buffers (the default is
   two); ``-aheadN`` (``engine-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
-  landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``worker-handover1``)
+  landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``engine-handover1``)
   has its transfer queue, after a load's release, wait until the engine's layer waits took N of its slices
-  before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``worker-priohigh``) runs its copy
+  before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``engine-priohigh``) runs its copy
   and scatter streams at the highest priority (the
   default is normal priority; ``-prio0`` names it).
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
@@ -59,13 +56,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
-RING_SUFFIXES: dict[str, bool | str] = {"-norings": False, "-nomailbox": "rings", "-rings": True}
-"""A placement ending in ``-norings`` (``server-norings``) runs with ``CacheClient(rings="none")``: no shared-memory
-request and reply rings, no GPU mailbox; requests and replies travel over ZMQ alone. One ending in ``-rings``
-(``engine-rings``) attaches them where the placement would not (engine placement attaches none by default). One ending
-in ``-nomailbox`` attaches the rings without the GPU mailbox (``CacheClient(rings="rings")``)."""
-
-
 LOCATE_SUFFIX = "-retrieve"
 """A engine placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
 the LOOKUP's reply."""
@@ -77,11 +67,6 @@ def split_suffix(placement: str, suffixes: dict[str, Any]) -> tuple[str, Any]:
         if placement.endswith(suffix):
             return placement.removesuffix(suffix), value
     return placement, None
-
-
-def ring_setting(placement: str) -> tuple[str, bool | str | None]:
-    """(the placement without its ring suffix, ``Placement``'s ``shm_rings``: None = the placement's default)."""
-    return split_suffix(placement, RING_SUFFIXES)
 
 
 def numbered_suffix(placement: str, suffix: str) -> tuple[str, int | None]:
@@ -132,7 +117,7 @@ def locates_by_lookup(placement: str) -> bool:
     return not base.startswith("server") and not base.endswith(LOCATE_SUFFIX)
 
 
-BASE_PLACEMENTS = ("server", "engine", "engine-rr")
+BASE_PLACEMENTS = ("server", "engine")
 
 
 @dataclass(frozen=True)
@@ -143,7 +128,6 @@ class ArmSettings:
     priority: int | None = None
     ctas: int | None = None
     buffers: int | None = None
-    rings: bool | str | None = None
     handover: int | None = None
     ahead: int | None = None
     """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
@@ -154,7 +138,7 @@ class ArmSettings:
 
 
 def arm_settings(placement: str) -> ArmSettings:
-    """Parse a placement name: a base, then suffixes in the order ``-norings``/``-rings``, ``-aheadN``,
+    """Parse a placement name: a base, then suffixes in the order ``-aheadN``,
     ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
     that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
     base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
@@ -163,15 +147,14 @@ def arm_settings(placement: str) -> ArmSettings:
     base, buffers = staging_buffers(base)
     base, handover = handover_slices(base)
     base, ahead = enqueue_ahead(base)
-    base, rings = ring_setting(base)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -norings/-rings, -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
+                         "go in the order -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
                          "-retrieve)")
     if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin) != (None,) * 6
                              or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-placement arms only")
-    return ArmSettings(base, priority, ctas, buffers, rings, handover, ahead)
+    return ArmSettings(base, priority, ctas, buffers, handover, ahead)
 
 
 @dataclass(frozen=True)
@@ -403,8 +386,8 @@ class FormatRig:
     backends: dict[str, ProbingBackend] = field(default_factory=dict)
     staging: list[Any] = field(default_factory=list)
     clients: list[Any] = field(default_factory=list)
-    """Connections of the engine-placement arms and of those without shared-memory rings (the server placement's
-    default arm uses the run's client, which stores the prompts)."""
+    """Connections of the engine-placement arms (the server placement's arm uses the run's client, which stores
+    the prompts)."""
     register_s: dict[str, float] = field(default_factory=dict)
     streams: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Engine-placement arms: their copier's kernel and copy streams (torch ``stream_id``) and where its copies
@@ -423,7 +406,8 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
-    from kvstrata.native.gpu_caches import GpuKVCache
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = prefix // s.block
     cache = GpuKVCache(fmt, num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
@@ -434,7 +418,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     rig = FormatRig(fmt, cache, reqs)
     for n, placement in enumerate(placements):
         arm = arm_settings(placement)
-        base, rings = arm.base, arm.rings
+        base = arm.base
         config = None if (arm.ctas, arm.priority, arm.buffers) == (None, None, None) else CudaTransferConfig(
             max_ctas=arm.ctas or 0, direct_copy_min_run=NO_DIRECT_COPIES,
             staging_buffers=arm.buffers or CudaTransferConfig.staging_buffers,
@@ -442,23 +426,20 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         backend = ProbingBackend(CudaEventBackend("cuda:0", transfer_config=config))
         server = base == "server"
         arm_client = client
-        if not server or rings is not None:  # a connection of its own, so no other arm's rings carry its requests
-            arm_client = CacheClient(client.address, timeout=120.0,
-                                     rings={False: "none", "rings": "rings"}.get(rings, "all"))
+        if not server:  # a connection of its own
+            arm_client = CacheClient(client.address, timeout=120.0)
             rig.clients.append(arm_client)
         if server:
-            worker = ServerPlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
-                                     shm_rings=rings)
+            worker = ServerPlacement(arm_client, instance_base + n, cache.layout, event_backend=backend)
         else:
             for _ in range(stream_pad):
                 torch.cuda.Stream()
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
-            policy = "round_robin" if base == "engine-rr" else "earliest_released"
             worker = EnginePlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      local_regions=cache.region_tensors(),
-                                     registration_layout=staging.layout, transfer_queue_policy=policy,
-                                     shm_rings=rings, handover_slices=arm.handover or HANDOVER_SLICES,
+                                     registration_layout=staging.layout,
+                                     handover_slices=arm.handover or HANDOVER_SLICES,
                                      enqueue_ahead_bytes=arm.enqueue_ahead_bytes(ENQUEUE_AHEAD_BYTES))
         t = time.perf_counter()
         worker.register()
@@ -657,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", default="256,1024,2048", help="new tokens per request, concurrency 1")
     p.add_argument("--formats", default=",".join(ENGINE_FORMATS))
     p.add_argument("--widths", default="0,1,2,4,8", help="0 = chunk-major")
-    p.add_argument("--placements", default="server,worker,engine-rr")
+    p.add_argument("--placements", default="server,engine")
     p.add_argument("--concurrency", default="2,4,8")
     p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
     p.add_argument("--reps", type=int, default=5)
@@ -694,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     from transfer import device_info
 
     from kvstrata.core.store.keys import CacheKey
-    from kvstrata.core.testing.server_process import ServerProcess
+    from kvstrata.server_process import ServerProcess
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native import cuda_ext
 

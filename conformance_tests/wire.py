@@ -12,11 +12,6 @@ That is how the suite proves a request was released on its first slice and not
 on the transfer's completion: an adapter that waits for the reply can never
 release while it is held.
 
-The proxy refuses ATTACH_RINGS with an error reply: shared-memory rings would
-carry frames past it (the server would write a held reply straight into the
-adapter's reply ring), and a recording proxy must see every frame. Clients then
-fall back to ZMQ alone, as they do with a server on another host.
-
 One thread owns every socket (ZMQ sockets are not thread-safe); other threads
 only touch the recorded lists under a lock.
 """
@@ -198,13 +193,7 @@ class RecordingProxy:
                             back.connect(self.backend)
                             backs[identity], owner[back] = back, identity
                             poller.register(back, zmq.POLLIN)
-                        if self._record_request(identity, body) == RequestType.ATTACH_RINGS:
-                            rid = codec.request_id_of(body)
-                            front.send_multipart([identity, codec.encode_reply(
-                                rid if rid is not None else -1, False,
-                                "ATTACH_RINGS: the conformance suite's recording proxy must see every frame, so it "
-                                "accepts no shared-memory rings")])
-                            continue
+                        self._record_request(identity, body)
                         back.send(body)
                 for back, identity in owner.items():
                     if back not in events:

@@ -223,9 +223,7 @@ class SegmentKind(enum.IntEnum):
     """What a control segment is for; stamped in its header by the process that creates it."""
 
     ARRIVAL_BOARD = 1
-    REQUEST_RING = 2
-    REPLY_RING = 3
-    MAILBOX = 4
+    # 2, 3 and 4 were the request ring, reply ring and mailbox (removed: see docs/decisions.md)
 
     @property
     def label(self) -> str:
@@ -239,7 +237,7 @@ class SegmentKind(enum.IntEnum):
 CONTROL_MAGIC = int.from_bytes(b"KVSTRATA", "little")
 CONTROL_VERSION = 1
 CONTROL_HEADER_BYTES = 64
-"""Every control segment (arrival board, rings, mailbox) starts with this header; its slots follow.
+"""Every control segment (an arrival board) starts with this header; its slots follow.
 
     word 0   magic  b"KVSTRATA" (written last: the segment is attachable once its geometry is there)
     word 1   version (low 32 bits) | kind (high 32 bits)

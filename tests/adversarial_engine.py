@@ -1,7 +1,7 @@
 """An engine process for the adversarial tests: it takes every kind of server state, then waits to be told.
 
 ``python adversarial_engine.py ADDRESS INSTANCE SEED`` registers a reference-engine cache in server placement
-(rings and mailbox attached, an arrival board named by a layer-major RETRIEVE) and one in engine placement,
+(an arrival board named by a layer-major RETRIEVE) and one in engine placement,
 stores a prompt, and holds: the lookup locks of a second LOOKUP and a store reservation. It prints ``ready``
 and then obeys stdin, one command a line:
 
@@ -20,7 +20,7 @@ from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
@@ -36,7 +36,7 @@ def main(address: str, instance: int, seed: int) -> None:
     client = CacheClient(address, timeout=20.0)
     engine = ReferenceEngine(SHAPE, num_blocks=4 * TOKENS // 16, block_size=16)
     server_side = ServerPlacement(client, instance, engine.layout, pool_slots=2)
-    server_side.register()  # attaches rings and the mailbox
+    server_side.register()
     area = RegistrationArea(engine.layout, chunk_size=64)
     worker_side = EnginePlacement(client, instance + 1, engine.layout, local_regions=engine.regions,
                                   registration_layout=area.layout, pool_writable=True)

@@ -12,7 +12,7 @@ import torch
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ModelShape, ReferenceEngine
+from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.engine.placement import Placement
 
 SMALL_32 = ModelShape(num_layers=32, kv_size=2, num_heads=2, head_size=16, dtype="bfloat16")
@@ -103,3 +103,19 @@ def inprocess_cache_server(l1_bytes: int, chunk_size: int = 64) -> Iterator["Cac
         yield srv
     finally:
         srv.stop()
+
+
+def control_segment_of_unknown_kind(slots: int = 4, slot_bytes: int = 128) -> "Segment":
+    """A segment with a well-formed kvstrata control header whose kind no longer exists (2, the retired request
+    ring): the server must refuse it wherever a request names a control segment, and write nothing into it."""
+    import ctypes
+
+    from kvstrata.core.shm import CONTROL_HEADER_BYTES, CONTROL_MAGIC, CONTROL_VERSION, Segment
+
+    seg = Segment.create("retired-kind", CONTROL_HEADER_BYTES + slots * slot_bytes)
+    words = (ctypes.c_uint64 * 4).from_buffer(seg._mmap)
+    words[1] = CONTROL_VERSION | (2 << 32)
+    words[2], words[3] = slots, slot_bytes
+    words[0] = CONTROL_MAGIC
+    del words
+    return seg

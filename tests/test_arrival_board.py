@@ -6,8 +6,9 @@ import pytest
 
 from kvstrata.core.arrival.board import ArrivalBoard, NO_PROGRESS, SLOT_BYTES
 from kvstrata.core.arrival.pool import ArrivalPool
-from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKind, SegmentKindError, new_segment_name
-from kvstrata.core.wire.rings import SlotRing
+from kvstrata.core.shm import CONTROL_HEADER_BYTES, Segment, SegmentKindError, new_segment_name
+
+from helpers import control_segment_of_unknown_kind
 from kvstrata.core.arrival.events import HostEventBackend
 
 
@@ -91,7 +92,7 @@ def test_slot_reuse_with_generations_and_failure_cross_process():
 
 def test_board_attach_rejects_bad_segments_and_slots():
     board = ArrivalBoard.create(2)
-    ring = SlotRing.create(4, 128, SegmentKind.REQUEST_RING)
+    retired = control_segment_of_unknown_kind()
     plain = Segment(new_segment_name("pool"), 4096, create=True)  # e.g. an L1 pool: any size, no header
     try:
         with pytest.raises(IndexError, match="has 2 slots, slot 5 asked"):
@@ -100,8 +101,8 @@ def test_board_attach_rejects_bad_segments_and_slots():
             ArrivalBoard.attach("kvstrata-board-does-not-exist")
         with pytest.raises(SegmentKindError, match="carries no kvstrata control header"):
             ArrivalBoard.attach(plain.name)
-        with pytest.raises(SegmentKindError, match="is a request ring, not an arrival board"):
-            ArrivalBoard.attach(ring.name)
+        with pytest.raises(SegmentKindError, match="carries no kvstrata control header"):
+            ArrivalBoard.attach(retired.name)
         attached = ArrivalBoard.attach(board.name)
         try:
             assert attached.num_slots == 2
@@ -117,5 +118,5 @@ def test_board_attach_rejects_bad_segments_and_slots():
         assert bytes(plain.buf[:64]) == bytes(64)  # nothing was written into what was refused
     finally:
         board.destroy()
-        ring.destroy()
+        retired.destroy()
         plain.destroy()

@@ -15,11 +15,7 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
 
 @pytest.mark.parametrize("name,expected", [
     ("server", ttft.ArmSettings("server")),
-    ("server-norings", ttft.ArmSettings("server", rings=False)),
-    ("server-nomailbox", ttft.ArmSettings("server", rings="rings")),
     ("engine", ttft.ArmSettings("engine")),
-    ("engine-rr", ttft.ArmSettings("engine-rr")),
-    ("engine-rings", ttft.ArmSettings("engine", rings=True)),
     ("engine-bufs4", ttft.ArmSettings("engine", buffers=4)),
     ("engine-ctas33", ttft.ArmSettings("engine", ctas=33)),
     ("engine-priohigh", ttft.ArmSettings("engine", priority=-1)),
@@ -28,8 +24,8 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("engine-handover1-prio0", ttft.ArmSettings("engine", priority=0, handover=1)),
     ("engine-ahead0", ttft.ArmSettings("engine", ahead=0)),
     ("engine-ahead256-prio0", ttft.ArmSettings("engine", priority=0, ahead=256)),
-    ("engine-norings-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
-     ttft.ArmSettings("engine", -1, 66, 3, False, 2, 64)),
+    ("engine-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
+     ttft.ArmSettings("engine", -1, 66, 3, 2, 64)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -37,7 +33,7 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
                                             and not name.endswith("-retrieve"))
 
 
-@pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "engine-bufs", "server-bufs4",
+@pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "server-norings", "engine-rr", "engine-bufs", "server-bufs4",
                                   "server-retrieve", "engine-prio1", "server-handover1", "engine-bufs2-handover1",
                                   "server-ahead0", "engine-bufs2-ahead0", "engine-handover1-ahead0"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:

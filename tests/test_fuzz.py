@@ -3,7 +3,7 @@
 One engine (the victim) registers its cache and stores prompts; an attacker on
 another connection then sends, phase by phase, random frames, random payloads
 for every request type, and well-formed requests that name the wrong memory
-(segments, board and ring references, descriptors, block ids, skips, sizes,
+(segments, board references, descriptors, block ids, skips, sizes,
 the victim's instance). After each phase PING answers, the victim's cache is
 byte for byte what it was, and every prompt stored before reads back exact.
 ``-m soak`` runs the long version.
@@ -25,13 +25,12 @@ from kvstrata.core.arrival.board import ArrivalBoard
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
-from kvstrata.core.shm import Segment, SegmentKind
-from kvstrata.core.wire.rings import Mailbox, SlotRing
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.core.shm import Segment
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire.transport import RemoteError, RequestTimeout
 
-from helpers import SMALL_32, random_prompt
+from helpers import SMALL_32, control_segment_of_unknown_kind, random_prompt
 
 SEED = 20261201
 TOKENS = 128
@@ -60,12 +59,11 @@ class Fuzz:
         self.attacker.store(CacheKey.for_tokens("own-store", self.prompts[0], model="m"), 1, [own])
         self.own_blocks = own
         self.board = ArrivalBoard.create(2)
-        self.ring = SlotRing.create(4, 128, SegmentKind.REQUEST_RING)
-        self.mailbox = Mailbox.create(4, 128)
+        self.unknown_kind = control_segment_of_unknown_kind()
         self.plain = Segment.create("other", 1 << 16)
         self.pool = self.attacker.server_info()["pool"]["name"]
         self.names = [self.pool, self.victim_engine.layout.regions[0].name, self.own_engine.layout.regions[0].name,
-                      self.board.name, self.ring.name, self.mailbox.name, self.plain.name,
+                      self.board.name, self.unknown_kind.name, self.plain.name,
                       "kvstrata-board-1-00000000", "../../dev/zero", "", "x" * 300]
         self.snapshot = self.victim_engine.regions[0].clone()
 
@@ -114,7 +112,7 @@ class Fuzz:
             self.counts["frames sent"] += 1
 
     def random_payloads(self, rounds: int) -> None:
-        types = [rt for rt in DECLARATIONS if rt is not RequestType.ATTACH_RINGS]
+        types = list(DECLARATIONS)
         for _ in range(rounds):
             rt = self.rng.choice(types)
             arity = DECLARATIONS[rt].arity
@@ -123,7 +121,7 @@ class Fuzz:
 
     def abuse(self, rounds: int) -> None:
         cases: list[Callable[[], None]] = [self.board_refs, self.other_connection, self.descriptors,
-                                           self.block_ids_and_skips, self.ring_refs]
+                                           self.block_ids_and_skips]
         for _ in range(rounds):
             self.rng.choice(cases)()
 
@@ -183,12 +181,6 @@ class Fuzz:
             self.send(rt, [self.key(rid), 1, blocks, None, skip])
         self.attacker.free_lookup_locks(rid)
 
-    def ring_refs(self) -> None:
-        def ref() -> dict[str, Any]:
-            return {"name": self.rng.choice(self.names), "slots": self.rng.choice([1, 4, 64]),
-                    "slot_bytes": self.rng.choice([64, 128, 1024])}
-        self.send(RequestType.ATTACH_RINGS, [ref(), self.rng.choice([None, ref()]), self.rng.choice([None, ref()])])
-
     # --- checks -------------------------------------------------------------------------------------------
 
     def check(self, phase: str) -> None:
@@ -210,7 +202,7 @@ class Fuzz:
         self.counts[f"checks passed after {phase}"] += 1
 
     def close(self) -> None:
-        for thing in (self.board, self.ring, self.mailbox, self.plain):
+        for thing in (self.board, self.unknown_kind, self.plain):
             thing.destroy()
         self.victim.close()
         self.attacker.close()
@@ -224,15 +216,13 @@ KINDS = [
     ("is registered by another connection", "another connection's instance"),
     ("is not registered", "unknown instance"), ("server's own L1 pool", "names the L1 pool"),
     ("carries no kvstrata control header", "segment is no control segment"),
-    ("not an arrival board", "segment of another kind"), ("not a request ring", "segment of another kind"),
-    ("not a reply ring", "segment of another kind"), ("not a mailbox", "segment of another kind"),
+    ("not an arrival board", "segment of another kind"),
     ("not an engine cache", "control segment as a cache"), ("no shared-memory segment", "no such segment"),
     ("invalid shared-memory segment name", "bad segment name"), ("slots; slot", "board slot out of range"),
     ("generation", "bad board generation"), ("block ids", "bad block ids"), ("KV groups", "bad block ids"),
     ("skip_first_n_tokens", "bad skip"), ("must be positive", "bad descriptor"), ("past region", "bad descriptor"),
     ("descriptor", "bad descriptor"), ("cannot be opened", "region larger than its segment"),
-    ("region kinds", "bad descriptor"), ("placement must be", "bad descriptor"), ("multiple of 64", "bad ring ref"),
-    ("slots of", "bad ring ref"), ("ring", "bad ring ref"),
+    ("region kinds", "bad descriptor"), ("placement must be", "bad descriptor"),
 ]
 
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstrata.core.arrival.board import ArrivalBoard
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
@@ -167,30 +167,27 @@ def test_a_bad_config_file_is_refused_naming_the_key(tmp_path: Path, body: str, 
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
-def test_a_deferred_transfer_is_counted_when_it_settles(inprocess_server) -> None:
-    """GPU transfers answer through a Deferred: their outcome and time are counted at settle, not at return."""
+def test_a_transfer_is_counted_when_its_handler_answers(inprocess_server) -> None:
+    """A transfer's outcome, tokens, fallback and time are counted when its handler returns, and its failure
+    when it raises."""
     from kvstrata.core.server.metrics import ServerMetrics
     from kvstrata.core.wire.protocol import RequestType
-    from kvstrata.core.wire.transport import Deferred
 
     metrics = ServerMetrics(inprocess_server)
     key = CacheKey.for_tokens("d", list(range(64)), model="m").to_wire()
 
     def retrieve(key, instance_id, block_ids, event_handle, skip_first_n_tokens, arrival_board,
                  layer_event_handles, layers_per_slice):
-        return Deferred(lambda: {"retrieved_tokens": 64, "fallback": "why not"}, lambda: True)
+        return {"retrieved_tokens": 64, "fallback": "why not"}
 
     def failing(key, instance_id, block_ids, event_handle, skip_first_n_tokens):
-        def settle():
-            raise RuntimeError("the device failed")
-        return Deferred(settle, lambda: True)
+        raise RuntimeError("the device failed")
 
-    deferred = metrics.instrument(RequestType.RETRIEVE, retrieve)(key, 0, [[0]], None, 0, None, None, 1)
-    assert isinstance(deferred, Deferred) and metrics.totals()["retrieved_tokens"] == 0  # not yet
-    assert deferred.settle()["retrieved_tokens"] == 64
+    assert metrics.totals()["retrieved_tokens"] == 0
+    reply = metrics.instrument(RequestType.RETRIEVE, retrieve)(key, 0, [[0]], None, 0, None, None, 1)
+    assert reply["retrieved_tokens"] == 64
     assert metrics.totals()["retrieved_tokens"] == 64 and metrics._fallbacks == {"why not": 1}
     assert metrics._hists["retrieve_seconds"].counts != [0] * len(metrics._hists["retrieve_seconds"].counts)
-    store = metrics.instrument(RequestType.STORE, failing)(key, 0, [[0]], None, 0)
     with pytest.raises(RuntimeError):
-        store.settle()
+        metrics.instrument(RequestType.STORE, failing)(key, 0, [[0]], None, 0)
     assert metrics._failures == {("STORE", "error"): 1}

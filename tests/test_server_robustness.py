@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
-from kvstrata.core.testing.server_process import ServerProcess
+from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire.transport import Client, RemoteError
 
 
@@ -29,7 +29,6 @@ GOOD = {
     RequestType.RETRIEVE: [{"request_id": "r", "model": "m", "world_size": 1, "rank": 0, "salt": None,
                             "tokens": b""}, 0, [[0]], None, 0, None, None, 0],
     RequestType.FREE_LOOKUP_LOCKS: ["r"],
-    RequestType.ATTACH_RINGS: [{"name": "kvstrata-ring-1-00000000", "slots": 1, "slot_bytes": 64}, None, None],
     RequestType.RESERVE_STORE: [{"request_id": "r", "model": "m", "world_size": 1, "rank": 0, "salt": None,
                                  "tokens": b""}, 0, 0],
     RequestType.COMMIT_STORE: [0, True],

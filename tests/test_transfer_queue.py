@@ -1,17 +1,15 @@
-"""The engine placement's one transfer queue: the policy decides the order of concurrent loads' slices."""
+"""The engine placement's one transfer queue: concurrent loads' slices go one load after another."""
 
 import threading
 import time
 
-import pytest
 
 from kvstrata.core.arrival.events import HostCopier, HostEventBackend
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.engine.transfer_queue import (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN, QueuedLoad,
-                                                 slice_order)
-from kvstrata.core.testing.reference_engine import ReferenceEngine
-from kvstrata.core.testing.slice_hold import SliceHold
+from kvstrata.core.engine.transfer_queue import QueuedLoad, slice_order
+from kvstrata.adapters.reference.engine import ReferenceEngine
+from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.transfer import planner
 
 from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
@@ -23,9 +21,9 @@ def _loads(*slice_counts: int) -> list[QueuedLoad]:
                        reply=None, slices=[(i, 1) for i in range(n)]) for n in slice_counts]
 
 
-def _walk(loads: list[QueuedLoad], policy: str, fail_after: dict[int, int] | None = None) -> list[int]:
+def _walk(loads: list[QueuedLoad], fail_after: dict[int, int] | None = None) -> list[int]:
     order = []
-    for load in slice_order(loads, policy):
+    for load in slice_order(loads):
         i = loads.index(load)
         order.append(i)
         load.next_slice += 1
@@ -35,37 +33,31 @@ def _walk(loads: list[QueuedLoad], policy: str, fail_after: dict[int, int] | Non
 
 
 def test_earliest_released_runs_one_load_after_another():
-    assert _walk(_loads(3, 2, 1), POLICY_EARLIEST_RELEASED) == [0, 0, 0, 1, 1, 2]
+    assert _walk(_loads(3, 2, 1)) == [0, 0, 0, 1, 1, 2]
 
 
-def test_round_robin_takes_one_slice_of_each_load_in_turn():
-    assert _walk(_loads(3, 1, 2), POLICY_ROUND_ROBIN) == [0, 1, 2, 0, 2, 0]
-
-
-@pytest.mark.parametrize("policy", [POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN])
-def test_a_failed_load_gets_no_further_slice_and_the_others_go_on(policy):
-    order = _walk(_loads(3, 3), policy, fail_after={0: 1})
+def test_a_failed_load_gets_no_further_slice_and_the_others_go_on():
+    order = _walk(_loads(3, 3), fail_after={0: 1})
     assert order.count(0) == 1 and order.count(1) == 3
 
 
-def test_an_unknown_policy_is_refused_by_name():
-    with pytest.raises(ValueError, match="transfer_queue_policy must be one of earliest_released, round_robin"):
-        RuntimeSettings.from_mapping({"transfer_queue_policy": "lifo"})
-    with pytest.raises(ValueError, match="unknown transfer queue policy 'lifo'"):
-        list(slice_order(_loads(1), "lifo"))
+def test_the_retired_policy_setting_is_ignored_with_a_warning(caplog):
+    caplog.set_level("WARNING")
+    settings = RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", "transfer_queue_policy": "round_robin"},
+                                            where="cfg")
+    assert not hasattr(settings, "transfer_queue_policy")
+    assert any("cfg.transfer_queue_policy='round_robin' is no longer a setting" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("policy", [POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN])
-def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, policy):
+def test_concurrent_loads_reach_the_copier_one_after_another(client, tmp_path):
     """Through a real server: a first load is held before its first slice, so the two loads submitted
-    meanwhile reach the queue together; the order their slices are enqueued in is the policy's, and both
+    meanwhile reach the queue together; their slices are enqueued one load after the other, and both
     land byte-exact."""
     tokens, width = 64, 8  # 32 layers: four slices per load
     hold = SliceHold(tmp_path / "hold")
     hold.hold("first", after_slices=0)
     engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
-    worker = EnginePlacement(client, 11, engine.layout, local_regions=engine.regions,
-                             transfer_queue_policy=policy)
+    worker = EnginePlacement(client, 11, engine.layout, local_regions=engine.regions)
     enqueued: list[str] = []
     try:
         with hold.installed():
@@ -98,8 +90,7 @@ def test_concurrent_loads_reach_the_copier_in_policy_order(client, tmp_path, pol
             finally:
                 planner._slice_hook = held_hook  # so the hold uninstalls its own
         assert enqueued[:4] == ["first"] * 4
-        expected = ["a"] * 4 + ["b"] * 4 if policy == POLICY_EARLIEST_RELEASED else ["a", "b"] * 4
-        assert enqueued[4:] == expected
+        assert enqueued[4:] == ["a"] * 4 + ["b"] * 4
         for rid, dst in dsts.items():
             assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
             assert worker.records[rid].failure is None

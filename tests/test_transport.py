@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import pytest
 
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, RequestType
-from kvstrata.core.wire.transport import Client, Deferred, RemoteError, Server
+from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
+from kvstrata.core.wire.transport import Client, RemoteError, Server
 
 KEY = CacheKey.for_tokens("r", [1, 2, 3], model="m").to_wire()
 
@@ -78,8 +78,6 @@ def serve() -> Iterator[Any]:
         address = f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s"
         server = Server(address, transfer_threads=transfer_threads, **server_args)
         for rt, decl in DECLARATIONS.items():
-            if rt in TRANSPORT_REQUESTS:
-                continue
             if rt == RequestType.PING:
                 server.register(rt, lambda: "pong")
             elif rt == RequestType.RETRIEVE:
@@ -187,16 +185,16 @@ def test_a_polling_caller_resolves_replies_itself(serve: Any) -> None:
         client.close()
 
 
-def python_busy_wait(fd: int, max_us: int, done: Any = None) -> bool:
-    """A Python stand-in for the extension's GIL-free poll: True once ``fd`` is readable (or ``done()``),
-    else False after max_us."""
+def python_busy_wait(fd: int, max_us: int) -> bool:
+    """A Python stand-in for the extension's GIL-free poll: True once ``fd`` is readable, else False after
+    max_us."""
     import select
 
     p = select.poll()
     p.register(fd, select.POLLIN)
     deadline = time.monotonic() + max_us / 1e6
     while time.monotonic() < deadline:
-        if p.poll(0) or (done is not None and done()):
+        if p.poll(0):
             return True
     return False
 
@@ -223,92 +221,54 @@ def test_busy_polling_serves_every_request(serve: Any) -> None:
 
 
 class DeviceTransfers:
-    """RETRIEVE as a device target runs it: the handler returns at once with a Deferred that is ready
-    ``delay`` later (a copy on a device); settling it answers ``instance_id``, or fails from 100 up."""
+    """RETRIEVE as a device target runs it: the handler enqueues (at once) and waits until its copy is done
+    ``delay`` later, then answers ``instance_id``, or fails from 100 up."""
 
     def __init__(self, delay: float, together: tuple[int, ...] = (), side_by_side: tuple[int, ...] = ()) -> None:
         self.delay = delay
         self.together = together  # these instance ids finish at one moment (the first one's end)
         self._together_end: float | None = None
-        self.side_by_side = side_by_side  # these are ready only once all of them have started
+        self.side_by_side = side_by_side  # these are done only once all of them have started
         self.started: list[int] = []
         self.settled: list[int] = []
-        self.spans: dict[int, list[float]] = {}  # instance_id -> [handler started, settled]
-        self.settled_early: list[int] = []  # settle() called before the device was done: it had to wait
+        self._cond = threading.Condition()
 
-    def retrieve(self, key: dict, instance_id: int, *rest: Any) -> Deferred:
-        self.started.append(instance_id)
-        self.spans[instance_id] = [time.monotonic()]
+    def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
+        with self._cond:
+            self.started.append(instance_id)
+            self._cond.notify_all()
         end = time.monotonic() + self.delay
         if instance_id in self.together:
             if self._together_end is None:
                 self._together_end = end
             end = self._together_end
-
-        def settle() -> dict:
-            if time.monotonic() < end:
-                self.settled_early.append(instance_id)
-            time.sleep(max(0.0, end - time.monotonic()))  # what waiting on the device does if called early
-            self.settled.append(instance_id)
-            self.spans[instance_id].append(time.monotonic())
-            if instance_id >= 100:
-                raise RuntimeError(f"copy {instance_id} failed on the device")
-            return {"instance_id": instance_id}
-
         if instance_id in self.side_by_side:
-            return Deferred(settle, lambda: set(self.side_by_side) <= set(self.started))
-        return Deferred(settle, lambda: time.monotonic() >= end)
+            with self._cond:
+                assert self._cond.wait_for(lambda: set(self.side_by_side) <= set(self.started), 60), \
+                    f"transfers {self.side_by_side} never ran side by side"
+        time.sleep(max(0.0, end - time.monotonic()))
+        self.settled.append(instance_id)
+        if instance_id >= 100:
+            raise RuntimeError(f"copy {instance_id} failed on the device")
+        return {"instance_id": instance_id}
 
 
-def test_deferred_replies_are_settled_by_the_polling_thread_and_free_the_handler(serve: Any) -> None:
-    """With busy polling, a deferred transfer's thread is free at once; the leader answers when it is ready,
-    failures included, and a queued transfer runs when a settled one frees its slot."""
+def test_a_failed_transfer_is_answered_with_its_error_and_others_are_served(serve: Any) -> None:
+    """A transfer's failure is its reply's error; PINGs are answered while transfers copy, and a queued
+    transfer runs once a slot is free."""
     transfers = DeviceTransfers(delay=0.05)
     server = serve(1, transfers)
     server.enable_busy_poll(python_busy_wait, 5.0)
     with Client(server.address, default_timeout=10) as client:
-        t = time.monotonic()
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (1, 102, 3)]
         pings = [client.call(RequestType.PING, [], timeout=5) for _ in range(5)]  # answered meanwhile
         assert client.wait(futures[0])["instance_id"] == 1
         with pytest.raises(RemoteError, match="RETRIEVE: copy 102 failed on the device"):
             client.wait(futures[1])
         assert client.wait(futures[2])["instance_id"] == 3
-        elapsed = time.monotonic() - t
     assert pings == ["pong"] * 5
-    assert transfers.settled == [1, 102, 3]  # one slot: each ran after the previous one settled
-    assert elapsed >= 0.15
-    # the polling thread settled each once ready: no thread sat in settle() waiting for the device
-    assert transfers.settled_early == []
+    assert transfers.settled == [1, 102, 3]  # one slot: each ran after the previous one ended
     assert server.requests_rejected == 1
-
-
-def test_the_busy_wait_watches_deferred_handles_as_the_cuda_spin_is_called(serve: Any) -> None:
-    """Deferreds with wait handles are watched by the busy-wait function itself, called the way the server's
-    CUDA target provides it (a partial with warm_stream, events by keyword); handles here name flags."""
-    import functools
-
-    flags: dict[int, threading.Event] = {}
-    watched: list[list[int]] = []
-
-    def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
-        if events:
-            watched.append(list(events))
-            for h in events:  # the device finishes a copy only once the spin watches its event
-                flags[h].set()
-        return python_busy_wait(fd, max_us, lambda: any(flags[h].is_set() for h in events or ()))
-
-    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
-        flag = flags[instance_id + 1] = threading.Event()
-        return Deferred(lambda: {"instance_id": instance_id}, flag.is_set, instance_id + 1)
-
-    server = serve(2, SlowTransfers(0))
-    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
-    server.enable_busy_poll(functools.partial(spin, warm_stream=1234), 5.0)
-    with Client(server.address, default_timeout=10) as client:
-        futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in (5, 6)]
-        assert sorted(client.wait(f)["instance_id"] for f in futures) == [5, 6]
-    assert any(set(w) <= {6, 7} and w for w in watched)
 
 
 def test_every_queued_transfer_starts_when_settled_ones_free_their_slots(serve: Any) -> None:
@@ -317,161 +277,10 @@ def test_every_queued_transfer_starts_when_settled_ones_free_their_slots(serve: 
     have started, so run one after the other they would never finish)."""
     transfers = DeviceTransfers(delay=0.1, together=(0, 1), side_by_side=(2, 3))
     server = serve(2, transfers)
-    server.enable_busy_poll(python_busy_wait, 5.0)
     with Client(server.address, default_timeout=60) as client:
         futures = [client.submit(RequestType.RETRIEVE, retrieve_payload(i)) for i in range(4)]
         assert sorted(client.wait(f)["instance_id"] for f in futures) == [0, 1, 2, 3]
     assert sorted(transfers.settled[2:]) == [2, 3]
-
-
-def test_a_transfer_whose_event_fails_is_answered_with_its_error_and_watching_resumes(serve: Any,
-                                                                                     caplog: Any) -> None:
-    """A failed device transfer makes the busy-wait function raise while it watches that event (the CUDA
-    spin's event query throws): the failed transfer is answered with its error, a healthy one beside it
-    completes, busy polling stays on, and later transfers are watched by the busy-wait function again."""
-    import functools
-
-    watched: list[list[int]] = []
-    seen: set[int] = set()
-    poisoned = 51
-    spin_failed = threading.Event()
-    fails_at = {}
-
-    # The device as these handles describe it: a healthy copy is done once the busy-wait has watched its event;
-    # the poisoned one fails, and only the busy-wait's event query can tell first (Python's readiness check
-    # sees the error only after the busy-wait raised), whatever the threads' timing.
-    def spin(fd: int, max_us: int, warm_stream: int = 0, events: list[int] | None = None) -> bool:
-        if events:
-            watched.append(list(events))
-            seen.update(events)
-            if poisoned in events and time.monotonic() >= fails_at[poisoned]:
-                spin_failed.set()
-                raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
-        return python_busy_wait(fd, max_us, lambda: any(h in seen and h != poisoned for h in events or ()))
-
-    def ready(handle: int) -> bool:
-        if handle == poisoned:
-            if spin_failed.is_set():
-                raise RuntimeError("cudaEventQuery: an illegal memory access was encountered")
-            return False
-        return handle in seen
-
-    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
-        handle = instance_id + 1
-        fails_at[handle] = time.monotonic() + 0.02
-
-        def settle() -> dict:
-            if handle == poisoned:
-                raise RuntimeError(f"copy {instance_id} failed on the device")
-            return {"instance_id": instance_id}
-
-        return Deferred(settle, lambda: ready(handle), handle)
-
-    server = serve(2, SlowTransfers(0))
-    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
-    server.enable_busy_poll(functools.partial(spin, warm_stream=1), 5.0)
-    with caplog.at_level("WARNING", logger="kvstrata.core.wire.transport"):
-        with Client(server.address, default_timeout=60) as client:
-            good = client.submit(RequestType.RETRIEVE, retrieve_payload(5))
-            bad = client.submit(RequestType.RETRIEVE, retrieve_payload(poisoned - 1))
-            assert client.wait(good)["instance_id"] == 5
-            with pytest.raises(RemoteError, match="copy 50 failed on the device"):
-                client.wait(bad)
-            before = len(watched)
-            assert client.call(RequestType.RETRIEVE, retrieve_payload(7))["instance_id"] == 7
-    assert "watching transfer completion events failed" in caplog.text
-    assert "busy polling failed" not in caplog.text
-    assert any(w == [8] for w in watched[before:]), f"later transfers were not watched by the busy-wait again: {watched}"
-
-
-@pytest.mark.parametrize("busy_polling", [False, True], ids=["no busy polling", "replies not deferred"])
-def test_without_busy_polling_the_handler_thread_settles_its_own_deferred_reply(serve: Any,
-                                                                                 busy_polling: bool) -> None:
-    """Nothing polls the device, or the server was told not to defer replies (``defer_replies=False``), so
-    the handler's own thread settles the transfer (ready() never says so)."""
-    settled_by: list[str] = []
-
-    def retrieve(key: dict, instance_id: int, *rest: Any) -> Deferred:
-        handler = threading.current_thread().name
-
-        def settle() -> dict:
-            settled_by.append("handler" if threading.current_thread().name == handler else "another thread")
-            return {"instance_id": instance_id}
-
-        return Deferred(settle, lambda: False)
-
-    server = serve(2, SlowTransfers(), defer_replies=not busy_polling)
-    server.register(RequestType.RETRIEVE, handler_of(RequestType.RETRIEVE, retrieve))
-    if busy_polling:
-        server.enable_busy_poll(python_busy_wait, 5.0)
-    with Client(server.address, default_timeout=60) as client:
-        assert client.call(RequestType.RETRIEVE, retrieve_payload(4))["instance_id"] == 4
-    assert settled_by == ["handler"]
-
-
-def started_server(retrieve: Any, transfer_threads: int = 1) -> Server:
-    """A started server whose RETRIEVE is ``retrieve`` and whose other handlers answer ``{}``."""
-    server = Server(f"ipc://{tempfile.mkdtemp(prefix='kvstrata-transport-')}/s", transfer_threads=transfer_threads)
-    for rt, decl in DECLARATIONS.items():
-        if rt not in TRANSPORT_REQUESTS:
-            server.register(rt, handler_of(rt, retrieve if rt == RequestType.RETRIEVE
-                                                 else (lambda *a: {})))
-    server.start()
-    return server
-
-
-def test_stopping_settles_deferred_transfers_left_in_flight() -> None:
-    transfers = DeviceTransfers(delay=0.3)
-    server = started_server(transfers.retrieve)
-    server.enable_busy_poll(python_busy_wait, 5.0)
-    client = Client(server.address, default_timeout=10)
-    try:
-        client.submit(RequestType.RETRIEVE, retrieve_payload(9))
-        deadline = time.monotonic() + 60
-        while not transfers.started and time.monotonic() < deadline:
-            time.sleep(0.005)
-    finally:
-        server.stop()
-        client.close()
-    assert transfers.settled == [9]
-
-
-def test_a_handler_that_hands_over_the_turn_holds_the_socket_until_it_does(serve: Any) -> None:
-    """A hands_over_turn handler keeps the socket (no other thread woken) until release_turn; then PING flows."""
-    from kvstrata.core.wire.transport import hands_over_turn
-
-    entered = threading.Event()
-    ping_sent = threading.Event()
-    released = threading.Event()
-    finish = threading.Event()
-    holder: list[Server] = []
-
-    class HoldingTransfers(SlowTransfers):
-        def retrieve(self, key: dict, instance_id: int, *rest: Any) -> dict:
-            entered.set()
-            assert ping_sent.wait(60)  # the latency-critical start: the socket stays with this thread
-            time.sleep(0.1)  # only gives a broken transport time to answer the PING early; never flakes a good one
-            released.set()
-            holder[0].release_turn()
-            holder[0].release_turn()  # a second call is harmless
-            assert finish.wait(60)
-            return {"instance_id": instance_id}
-
-    transfers = HoldingTransfers()
-    server = serve(2, transfers)
-    holder.append(server)
-    server.register(RequestType.RETRIEVE, hands_over_turn(handler_of(RequestType.RETRIEVE, transfers.retrieve)))
-    with Client(server.address, default_timeout=60) as client:
-        fut = client.submit(RequestType.RETRIEVE, retrieve_payload(7))
-        assert entered.wait(60)
-        ping = client.submit(RequestType.PING, [])
-        ping_sent.set()
-        assert client.wait(ping) == "pong"
-        assert released.is_set(), "PING was answered while the handler still held the turn"
-        assert not fut.done()
-        assert client.call(RequestType.PING, timeout=60) == "pong"  # after the release: answered meanwhile
-        finish.set()
-        assert client.wait(fut)["instance_id"] == 7
 
 
 def test_the_leader_serves_quick_requests_without_handing_over(serve: Any) -> None:

@@ -19,12 +19,10 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.shm import Segment
-from kvstrata.core.wire.rings import Mailbox, SlotRing
-from kvstrata.core.shm import SegmentKind
-from kvstrata.core.testing.reference_engine import ReferenceEngine
+from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.core.wire.transport import RemoteError
 
-from helpers import SMALL_32, random_prompt
+from helpers import SMALL_32, control_segment_of_unknown_kind, random_prompt
 
 TOKENS = 128
 
@@ -66,16 +64,14 @@ def board_ref(name: str, slot: int = 0, generation: int = 1) -> dict:
 def test_a_retrieve_naming_what_is_not_an_arrival_board_is_refused_and_writes_nothing(client, engine):
     prompt = stored(client, engine, seed=11)
     pool = client.server_info()["pool"]["name"]
-    rings = SlotRing.create(4, 128, SegmentKind.REPLY_RING)
-    mailbox = Mailbox.create(4, 128)
+    retired = control_segment_of_unknown_kind()
     cache_before = engine.regions[0].clone()
-    ring_before = bytes(rings.segment.buf)
+    retired_before = bytes(retired.buf)
     try:
         victims = {
             pool: "the server's own L1 pool",
             engine.layout.regions[0].name: "carries no kvstrata control header",
-            rings.name: "is a reply ring, not an arrival board",
-            mailbox.name: "is a mailbox, not an arrival board",
+            retired.name: "carries no kvstrata control header",
             "kvstrata-board-0-deadbeef": "no shared-memory segment",
             "../../etc/passwd": "invalid shared-memory segment name",
         }
@@ -89,14 +85,13 @@ def test_a_retrieve_naming_what_is_not_an_arrival_board_is_refused_and_writes_no
                 engine.free(dst)
             # a refused request frees nothing: its locks stay with their holder, which frees them
             assert client.free_lookup_locks(f"bad-board-{slot}") == 2 * len(victims)  # two chunks a lookup
-        # nothing was written: not the engine's cache, not the ring, not the stored KV
+        # nothing was written: not the engine's cache, not the other control segment, not the stored KV
         assert torch.equal(engine.regions[0], cache_before)
-        assert bytes(rings.segment.buf) == ring_before
+        assert bytes(retired.buf) == retired_before
         assert reads_back_exact(client, engine, prompt, "after-bad-boards")
         assert client.server_info()["l1"]["locked_objects"] == 0
     finally:
-        rings.destroy()
-        mailbox.destroy()
+        retired.destroy()
 
 
 def test_a_rejected_retrieve_writes_no_word_on_its_real_board(client, engine):
@@ -230,8 +225,8 @@ def test_a_restarted_engine_takes_its_instance_over_once_the_old_connection_is_g
 def test_unregistering_while_a_transfer_copies_into_the_cache_keeps_the_server_alive(tmp_path):
     """The cache's memory stays mapped until the transfer that writes it has ended (it once was unmapped
     under the copy, and the server died of it)."""
-    from kvstrata.core.testing.server_process import ServerProcess
-    from kvstrata.core.testing.slice_hold import SliceHold
+    from kvstrata.conformance_tests.slice_hold import HeldServerProcess as ServerProcess
+    from kvstrata.conformance_tests.slice_hold import SliceHold
 
     hold = SliceHold(tmp_path / "hold")
     hold.hold("in-flight", after_slices=1)

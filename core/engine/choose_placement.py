@@ -21,7 +21,7 @@ from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.placement import Placement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
-from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED
+from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PLACEMENT_SERVER, PagedKVLayout
 from kvstrata.core.wire.client import CacheClient
 
@@ -74,25 +74,25 @@ def make_placement(name: str, client: CacheClient, instance_id: int, layout: Pag
                    setup_timeout: float | None = None, pool_slots: int = RuntimeSettings.pool_slots,
                    release_after_layers: int = 1,
                    layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
-                   retrieve_timeout: float = RuntimeSettings.retrieve_timeout, shm_rings: bool | None = None,
-                   transfer_queue_policy: str = POLICY_EARLIEST_RELEASED, pool_writable: bool = False,
+                   retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
+                   pool_writable: bool = False,
                    handover_slices: int = HANDOVER_SLICES,
                    enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> Placement:
     """The placement called ``name`` for one registered cache (not registered yet: call its ``register``).
 
     Each option goes to the placement it concerns and the other ignores it: ``pool_slots`` (arrival slots) to
     server placement; ``local_regions``, ``own_registration_area``, ``setup_timeout``,
-    ``transfer_queue_policy``, ``pool_writable``, ``handover_slices`` and ``enqueue_ahead_bytes`` to engine
+    ``pool_writable``, ``handover_slices`` and ``enqueue_ahead_bytes`` to engine
     placement (see :class:`ServerPlacement` and :class:`EnginePlacement`)."""
     cls = PLACEMENTS.get(name)
     if cls is None:
         raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, got {name!r}")
     common = dict(event_backend=event_backend, release_after_layers=release_after_layers,
                   layer_wait_timeout=layer_wait_timeout, retrieve_timeout=retrieve_timeout,
-                  registration_layout=registration_layout, shm_rings=shm_rings)
+                  registration_layout=registration_layout)
     if cls is ServerPlacement:
         return ServerPlacement(client, instance_id, layout, pool_slots=pool_slots, **common)
     return EnginePlacement(client, instance_id, layout, local_regions=local_regions,
                            own_registration_area=own_registration_area, setup_timeout=setup_timeout,
-                           transfer_queue_policy=transfer_queue_policy, pool_writable=pool_writable,
+                           pool_writable=pool_writable,
                            handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes, **common)

@@ -31,8 +31,7 @@ from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord, 
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.engine.transfer_queue import (ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, POLICY_EARLIEST_RELEASED,
-                                                 QueuedLoad, TransferQueue)
+from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, QueuedLoad, TransferQueue
 from kvstrata.core.shm import Segment
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.block_table import BlockTable
@@ -52,8 +51,8 @@ class EnginePlacement(Placement):
                  release_after_layers: int = 1, layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
                  retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                  registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
-                 setup_timeout: float | None = None, shm_rings: bool | None = None,
-                 transfer_queue_policy: str = POLICY_EARLIEST_RELEASED, pool_writable: bool = False,
+                 setup_timeout: float | None = None,
+                 pool_writable: bool = False,
                  handover_slices: int = HANDOVER_SLICES,
                  enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
         """``local_regions``: the engine cache this process writes (and reads, to store).
@@ -61,10 +60,7 @@ class EnginePlacement(Placement):
         this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
         size, asked with ``setup_timeout``) and removes it at :meth:`close`. ``pool_writable``: map the server's
         pool writable too, so this process STOREs by copying into objects the server reserved
-        (:meth:`store`); otherwise it is mapped read-only. ``shm_rings``: off by default (None): a load starts
-        from its LOOKUP's locations and sends no RETRIEVE on its path, and with the engine computing the rings did
-        not make its first-token time shorter (``benchmarks/ttft.py``'s ``-rings`` / ``-norings`` arms are the
-        A/B). ``handover_slices``, how many of a released load's
+        (:meth:`store`); otherwise it is mapped read-only. ``handover_slices``, how many of a released load's
         slices the engine waits on before the transfer queue enqueues more
         (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`); ``enqueue_ahead_bytes``, how far it
         enqueues ahead of the copies that landed (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`;
@@ -75,8 +71,7 @@ class EnginePlacement(Placement):
             raise ValueError("give registration_layout or own_registration_area, not both")
         super().__init__(client, instance_id, layout, event_backend=event_backend,
                          release_after_layers=release_after_layers, layer_wait_timeout=layer_wait_timeout,
-                         retrieve_timeout=retrieve_timeout, registration_layout=registration_layout,
-                         shm_rings=bool(shm_rings))
+                         retrieve_timeout=retrieve_timeout, registration_layout=registration_layout)
         self.local_regions = list(local_regions)
         self.pool_writable = pool_writable
         self.own_registration_area = own_registration_area
@@ -91,7 +86,7 @@ class EnginePlacement(Placement):
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
-        self._queue = TransferQueue(client, layout, policy=transfer_queue_policy, copier_for=self._copier_for,
+        self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
                                     handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes)

@@ -150,7 +150,7 @@ class Placement(ABC):
                  event_backend: EventBackend | None = None, release_after_layers: int = 1,
                  layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
                  retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
-                 registration_layout: PagedKVLayout | None = None, shm_rings: bool = False) -> None:
+                 registration_layout: PagedKVLayout | None = None) -> None:
         self.client = client
         self.instance_id = instance_id
         self.layout = layout
@@ -163,9 +163,6 @@ class Placement(ABC):
         self.release_after_layers = release_after_layers
         self.layer_wait_timeout = layer_wait_timeout
         self.retrieve_timeout = retrieve_timeout
-        self.shm_rings = shm_rings
-        """At registration, attach shared-memory rings for requests and replies (a server on this host then
-        sees a request, and :meth:`get_finished` its reply, without waiting for a ZMQ I/O thread to wake)."""
         self.layer_major_fallback = planner.layer_major_fallback_reason(layout)
         """Why this cache's layer-major loads run chunk-major (None: they need not), decided once: it depends
         only on the registered cache (several KV groups)."""
@@ -197,8 +194,6 @@ class Placement(ABC):
         reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.name)
         self.chunk_size = int(reply["chunk_size"])
         self._registered(reply)
-        if self.shm_rings:
-            self.client.transport.attach_rings()
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
                  self.instance_id, self.client.address, self.name, self.chunk_size)
         return reply

@@ -6,10 +6,6 @@ word and one event per layer, exported once) and names it in the eight-item RETR
 slice's events and only then raises the board's count, so a count this process reads makes those events safe
 to wait on. The board's "complete" word is the last thing the server writes to the slot: the load settles on it
 without waiting for the reply. A chunk-major load (or one that found no free slot) completes with its reply.
-
-The latency mechanisms that serve only this placement stay with it: the client's shared-memory rings are
-attached at registration (:attr:`Placement.shm_rings`, on by default here), and a chunk-major RETRIEVE's end
-may be announced in the rings' mailbox.
 """
 
 from __future__ import annotations
@@ -49,14 +45,12 @@ class ServerPlacement(Placement):
                  release_after_layers: int = 1,
                  layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
                  retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
-                 registration_layout: PagedKVLayout | None = None, shm_rings: bool | None = None) -> None:
+                 registration_layout: PagedKVLayout | None = None) -> None:
         """``pool_slots``: layer-major loads in flight at once (each holds an arrival slot); a load that finds
-        none free runs chunk-major. ``shm_rings``: see :attr:`Placement.shm_rings` (on: the server's copies
-        answer on the engine's request path, where the rings save a ZMQ wake-up each way; None: on)."""
+        none free runs chunk-major."""
         super().__init__(client, instance_id, layout, event_backend=event_backend,
                          release_after_layers=release_after_layers, layer_wait_timeout=layer_wait_timeout,
-                         retrieve_timeout=retrieve_timeout, registration_layout=registration_layout,
-                         shm_rings=True if shm_rings is None else shm_rings)
+                         retrieve_timeout=retrieve_timeout, registration_layout=registration_layout)
         self.pool = ArrivalPool(pool_slots, layout.num_layers, self._event_backend)
 
     def _start(self, request_id: str, key: CacheKey, blocks: BlockTable, skip: int, width: int,

@@ -104,9 +104,6 @@ class RuntimeSettings:
     unless it is set (:meth:`from_mapping`'s ``engine_key``, :func:`engine_instance_id`); 0 otherwise."""
     record_path: str | None = None
     """A JSON-lines record of loads, releases, per-layer waits, failures and stores (operators, tests)."""
-    transfer_queue_policy: str = "earliest_released"
-    """Engine placement: the order in which the slices of concurrent loads are enqueued
-    (``earliest_released``: one load after another; ``round_robin``: one slice of each in turn)."""
     curve_server_key: str | None = None
     """The server's public key file (``NAME.key``), to connect with CURVE: a server on tcp:// requires it,
     with ``curve_client_key`` (see :mod:`kvstrata.core.wire.curve`)."""
@@ -115,9 +112,12 @@ class RuntimeSettings:
 
     FIELDS = ("server_address", "layers_per_slice", "placement", "model_name", "lookup_timeout",
               "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path",
-              "transfer_queue_policy", "curve_server_key", "curve_client_key")
+              "curve_server_key", "curve_client_key")
     ALIASES = {"layers_per_stage": "layers_per_slice", "layerwise_overlap": "layers_per_slice"}
     """Old setting names that still work, each with a deprecation warning naming the new one."""
+    RETIRED = {"transfer_queue_policy": "concurrent loads' slices go one load after another (round-robin order "
+                                        "was slower, see docs/decisions.md)"}
+    """Settings that no longer exist: accepted with a warning saying why, so an old config still starts."""
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any] | None, *, where: str = "extra config",
@@ -135,6 +135,9 @@ class RuntimeSettings:
                     raise ValueError(f"{where}: give {name!r} or its alias {alias!r}, not both")
                 log.warning("%s.%s is deprecated: it is now called %s", where, alias, name)
                 values[name] = values.pop(alias)
+        for name, why in cls.RETIRED.items():
+            if name in values:
+                log.warning("%s.%s=%r is no longer a setting and is ignored: %s", where, name, values.pop(name), why)
         unknown = sorted(set(values) - set(cls.FIELDS))
         if unknown:
             raise ValueError(f"{where}: unknown kvstrata setting(s) {unknown}; known: {', '.join(cls.FIELDS)}")
@@ -151,11 +154,6 @@ class RuntimeSettings:
         if placement not in (PLACEMENT_AUTO, PLACEMENT_SERVER, PLACEMENT_ENGINE):
             raise ValueError(f"{where}.placement must be {PLACEMENT_AUTO!r}, {PLACEMENT_SERVER!r} or "
                              f"{PLACEMENT_ENGINE!r}, got {placement!r}")
-        from kvstrata.core.engine.transfer_queue import POLICIES
-
-        policy = values.get("transfer_queue_policy", POLICIES[0])
-        if policy not in POLICIES:
-            raise ValueError(f"{where}.transfer_queue_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         try:
             for name in ("lookup_timeout", "layer_wait_timeout", "retrieve_timeout"):
                 if name in values:

@@ -3,20 +3,17 @@
 In engine placement (:mod:`kvstrata.core.engine.engine_placement`) the server only locks and locates the
 chunks; this process copies them from the server's L1 pool into its own cache.
 Every load of the process goes through one :class:`TransferQueue`, so the order
-in which the slices of concurrent loads reach the copy engine is a decision, made
-by a policy, rather than whatever order threads happen to run in:
-
-* ``earliest_released`` (the default): one load's slices after another's, in the
-  order the loads were submitted. The first load is released on its first slice
-  and its last layer lands as early as it can; the next follows right behind it.
-* ``round_robin``: one slice of each load in turn. Every load is released almost
-  at once, but each one's last layer lands only near the end of all of them; it
-  is here to be measured against (``benchmarks/ttft.py``).
+in which the slices of concurrent loads reach the copy engine is a decision
+rather than whatever order threads happen to run in: one load's slices after
+another's, in the order the loads were submitted (earliest released first). The
+first load is released on its first slice and its last layer lands as early as
+it can; the next follows right behind it. (Taking one slice of each load in turn
+made every load's last layer land late: see docs/decisions.md.)
 
 Two threads, so that enqueuing never waits for a copy to finish:
 
 * ``kvstrata-transfer-enqueue`` waits for each load's RETRIEVE reply (sent from the
-  engine's thread at submit), plans it, and enqueues its slices in policy order;
+  engine's thread at submit), plans it, and enqueues its slices in that order;
   each slice's completion goes to the load's gate as soon as it is enqueued (on a
   GPU an event the engine's stream waits on; on the CPU the copy has run). It keeps
   at most about :data:`ENQUEUE_AHEAD_BYTES` of copies queued beyond what has landed,
@@ -52,10 +49,6 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
 log = logging.getLogger(__name__)
-
-POLICY_EARLIEST_RELEASED = "earliest_released"
-POLICY_ROUND_ROBIN = "round_robin"
-POLICIES = (POLICY_EARLIEST_RELEASED, POLICY_ROUND_ROBIN)
 
 RELEASE_HANDOVER_S = 0.003
 """How long the enqueue thread, once a load's first slice has landed, waits at most for the engine to take the
@@ -124,32 +117,21 @@ class QueuedLoad:
         return self.key.request_id
 
 
-def slice_order(loads: Sequence[QueuedLoad], policy: str) -> Iterator[QueuedLoad]:
-    """The loads whose next slice goes to the copy engine next, in ``policy``'s order.
+def slice_order(loads: Sequence[QueuedLoad]) -> Iterator[QueuedLoad]:
+    """The loads whose next slice goes to the copy engine next: every slice of one load, then the next's.
 
     A load that failed (``error`` set) yields no further slice; every other load
     yields once per remaining slice.
     """
-    if policy == POLICY_EARLIEST_RELEASED:
-        for load in loads:
-            while load.error is None and load.next_slice < len(load.slices):
-                yield load
-    elif policy == POLICY_ROUND_ROBIN:
-        live = list(loads)
-        while live:
-            for load in list(live):
-                if load.error is not None or load.next_slice >= len(load.slices):
-                    live.remove(load)
-                else:
-                    yield load
-    else:
-        raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
+    for load in loads:
+        while load.error is None and load.next_slice < len(load.slices):
+            yield load
 
 
 class TransferQueue:
     """The queue and its two threads (see the module docstring)."""
 
-    def __init__(self, client: CacheClient, layout: PagedKVLayout, *, policy: str,
+    def __init__(self, client: CacheClient, layout: PagedKVLayout, *,
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
                  retrieve_timeout: float, landed: Callable[[Any], bool],
                  generations_for: Callable[[dict[str, Any]], Any],
@@ -161,8 +143,6 @@ class TransferQueue:
         (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
         what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against). ``enqueue_ahead_bytes``: see
         :data:`ENQUEUE_AHEAD_BYTES`; None enqueues every slice at once (``ttft.py``'s ``-ahead0`` arms)."""
-        if policy not in POLICIES:
-            raise ValueError(f"unknown transfer queue policy {policy!r}; expected one of {POLICIES}")
         if handover_slices < 1:
             raise ValueError(f"handover_slices must be at least 1, got {handover_slices}")
         self.handover_slices = handover_slices
@@ -175,7 +155,6 @@ class TransferQueue:
         self._hurry = threading.Event()
         self.client = client
         self.layout = layout
-        self.policy = policy
         self._copier_for = copier_for
         self._generations_for = generations_for
         self._chunk_size = chunk_size
@@ -238,7 +217,7 @@ class TransferQueue:
                     self._enqueued.put(load)
             awaiting_release: list[QueuedLoad] = []
             self._hurry.clear()  # an engine still waiting says so again (its layer wait keeps asking)
-            for load in slice_order(ready, self.policy):
+            for load in slice_order(ready):
                 nbytes = self._slice_bytes(load)
                 self._wait_for_room(nbytes)
                 if awaiting_release:

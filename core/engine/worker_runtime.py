@@ -132,8 +132,7 @@ class WorkerRuntime:
                 self.placement, self.client, self.instance_id, d.layout, event_backend=self.event_backend,
                 local_regions=d.local_regions, own_registration_area=True, setup_timeout=s.lookup_timeout,
                 pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
-                retrieve_timeout=s.retrieve_timeout, transfer_queue_policy=s.transfer_queue_policy,
-                pool_writable=s.store)
+                retrieve_timeout=s.retrieve_timeout, pool_writable=s.store)
             transfers.register()
         except Exception as exc:
             if transfers is not None:  # its arrival slots, copy threads or area: the next try builds new ones

@@ -29,7 +29,7 @@ from kvstrata.core.server.connections import Connection
 from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
-from kvstrata.core.wire.transport import Deferred, Server, hands_over_turn
+from kvstrata.core.wire.transport import Server
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +134,8 @@ class CacheServer:
         self._draining: list[_Instance] = []
         """Retired instances whose transfers have not ended yet (their targets stay open)."""
         self._graveyard: list[tuple[float, Callable[[], None]]] = []
-        """(when parked, close) of what ended connections mapped (boards, rings): closed by the lease watcher a
-        period later and only while no transfer is in flight, so no copy, device signal or busy poll still
-        reads them (unregistering a segment the GPU signals into must not wait on a device that waits on us)."""
+        """(when parked, close) of what ended connections mapped (arrival boards): closed by the lease watcher a
+        period later and only while no transfer is in flight, so no copy or device signal still reaches them (unregistering a segment the GPU signals into must not wait on a device that waits on us)."""
         self._looked_up: dict[str, tuple[CacheKey, list[bytes]]] = {}
         """Per lock owner holding lookup locks: its LOOKUP's key (cut to the hit) and digests, so RETRIEVE need
         not hash again."""
@@ -231,7 +230,6 @@ class CacheServer:
                 "instances": [i["instance_id"] for i in state["instances"]], "instance_details": state["instances"],
                 "transfers_in_flight": sum(i["transfers"] for i in state["instances"]),
                 "totals": self.metrics.totals(), "metrics_port": self.metrics_port,
-                "rings": {"clients": self.transport.ring_clients, "requests": self.transport.ring_requests},
                 "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
@@ -390,15 +388,14 @@ class CacheServer:
             self._looked_up.pop(request_id, None)
             return self.store.release_locks(request_id)
 
-    @hands_over_turn
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
-                 event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
+                 event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
         ck = self._key(key)
         inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._store(inst, ck, block_ids, event_handle, skip_first_n_tokens))
 
     def _store(self, inst: _Instance, ck: CacheKey, block_ids: list[list[int]], event_handle: bytes | None,
-               skip_first_n_tokens: int) -> dict[str, Any] | Deferred:
+               skip_first_n_tokens: int) -> dict[str, Any]:
         n = ck.num_tokens
         layout = inst.layout
         if not 0 <= skip_first_n_tokens <= n:
@@ -407,8 +404,6 @@ class CacheServer:
         cs = self.config.chunk_size
         digests = ck.iter_chunk_hashes(cs)  # hashed as the loop goes: the first copy waits for one digest
         inst.target.wait_for_engine(event_handle)
-        if not inst.target.enqueues:
-            self.transport.release_turn()  # this target copies in the call: free the socket first
         skipped = in_progress = 0
         # Every chunk's gather is enqueued before one finish(): a device target then
         # copies chunk after chunk back to back instead of idling between them.
@@ -430,7 +425,6 @@ class CacheServer:
                         executor.gather(job)
                     finally:
                         executor.close()
-                    self.transport.release_turn()  # the copy engine has work: other requests may be taken now
             except StoreFull as exc:
                 full = exc  # keep what was gathered so far, as before, then report
             done = inst.target.completion()
@@ -458,7 +452,7 @@ class CacheServer:
                 raise full
             return {"stored_tokens": stored, "skipped_tokens": skipped, "in_progress_tokens": in_progress}
 
-        return self._answer(inst.target, done, settle)
+        return settle()
 
     def _reserve_chunks(self, digests: Iterable[bytes], num_tokens: int, layout: PagedKVLayout, skip: int,
                         budget: Callable[[int], None] | None = None
@@ -584,10 +578,9 @@ class CacheServer:
             log.warning("instance %d went away with %d store reservation(s) not committed: dropped", instance_id,
                         len(dropped))
 
-    @hands_over_turn
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
-                 layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any] | Deferred:
+                 layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any]:
         # A refused RETRIEVE frees nothing: the locks it names stay with their holder, who frees them (the
         # engine's runtime does on any failed load) or loses them with its lease.
         ck = self._key(key)
@@ -598,13 +591,13 @@ class CacheServer:
 
     def _retrieve(self, inst: _Instance, ck: CacheKey, block_ids: list[list[int]], event_handle: bytes | None,
                   skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
-                  layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any] | Deferred:
+                  layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any]:
         board: ArrivalBoard | None = None
         copying = False
         plan: _RetrievePlan | None = None
         try:
-            # Everything is checked before anything is written: a rejected RETRIEVE writes no board word,
-            # no cache byte and no mailbox slot.
+            # Everything is checked before anything is written: a rejected RETRIEVE writes no board word
+            # and no cache byte.
             if not 0 <= skip_first_n_tokens <= ck.num_tokens:
                 raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {ck.num_tokens}] "
                                    "(the key's tokens)")
@@ -629,36 +622,15 @@ class CacheServer:
                 if board is not None:
                     board.fail(arrival_board["slot"], arrival_board["generation"])
             raise
-        return self._answer(inst.target, done,
-                            self._settling_retrieve(settle, ck.request_id, board, arrival_board, plan.objects))
+        return self._settling_retrieve(settle, ck.request_id, board, arrival_board, plan.objects)()
 
-    def _while_in_use(self, inst: _Instance, transfer: Callable[[], dict[str, Any] | Deferred]) -> dict[str, Any] | Deferred:
-        """Run a transfer on an acquired instance; let the instance go once the transfer has ended (at once,
-        or when its Deferred settles), so that an UNREGISTER meanwhile closes its target only after that."""
+    def _while_in_use(self, inst: _Instance, transfer: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run a transfer on an acquired instance and let the instance go once it has ended, so that an
+        UNREGISTER meanwhile closes its target only after that."""
         try:
-            reply = transfer()
-        except BaseException:
+            return transfer()
+        finally:
             self._release(inst)
-            raise
-        if not isinstance(reply, Deferred):
-            self._release(inst)
-            return reply
-        settle = reply.settle
-
-        def settle_then_release() -> dict[str, Any]:
-            try:
-                return settle()
-            finally:
-                self._release(inst)
-
-        reply.settle = settle_then_release
-        return reply
-
-    @staticmethod
-    def _answer(target: Target, done: Completion, settle: Callable[[], dict[str, Any]]) -> dict[str, Any] | Deferred:
-        """A transfer's reply: from the transport's polling thread once a device target's copies are done,
-        or now from a target that copied inside the executor's calls."""
-        return Deferred(settle, done.ready, done.handle) if target.enqueues else settle()
 
     def _settling_retrieve(self, settle: Callable[[], dict[str, Any]], request_id: str, board: ArrivalBoard | None,
                            board_ref: dict[str, Any] | None,
@@ -741,11 +713,7 @@ class CacheServer:
                 target.record(events[layer_start:layer_start + layer_count])
             if board is not None:
                 board.publish(board_ref["slot"], board_ref["generation"], layer_start + layer_count)
-            # The engine may run now; another thread takes the socket only after this point.
-            self.transport.release_turn()
 
-        if not target.enqueues:
-            self.transport.release_turn()  # this target copies in the call: free the socket first
         started = time.perf_counter()
         executor = target.executor(objects)
         try:
@@ -775,18 +743,12 @@ class CacheServer:
                      reply: dict[str, Any]) -> list[HostSignal]:
         """What the device should store itself when this retrieve's copies end (see ``Target.completion``).
 
-        Layer-major: the board slot's "complete" word, which the worker settles on.
-        Chunk-major: the request's id, in a slot of the client's mailbox that holds
-        the reply already (:class:`~kvstrata.core.wire.rings.Mailbox`). Either way an
-        engine polling its memory learns of the end with no server thread between
-        the copy's end and it; the reply still follows as usual.
+        Layer-major: the board slot's "complete" word, which the engine settles on without waiting for the
+        reply. Chunk-major: nothing; the reply says it.
         """
         if board is not None:
             slot, generation = board_ref["slot"], board_ref["generation"]
             return [HostSignal(board.segment, board.word_offset(slot), pack(generation, num_layers, complete=True))]
-        mail = self.transport.mailbox_slot()
-        if mail is not None and mail.fill(reply):
-            return [HostSignal(mail.segment, mail.word_offset, mail.request_id)]
         return []
 
     # --- helpers ---------------------------------------------------------------------
@@ -857,7 +819,7 @@ class CacheServer:
                         self.end_connection(identity, f"its lease ran out (silent for more than {lease:g}s)")
                     elif not self.transport.is_connected(identity):
                         self.end_connection(identity, "it disconnected")
-                self._park(self.transport.forget_silent(lease))
+                self.transport.forget_silent(lease)
                 self._bury(now - period)
             except Exception:  # the watcher must outlive any one failure, or leases would stop ending
                 if self._stopping.is_set():
@@ -866,8 +828,8 @@ class CacheServer:
 
     def end_connection(self, identity: bytes, why: str) -> None:
         """Let go of everything connection ``identity`` holds: its instances (closed once their transfers end),
-        its store reservations, the lookup locks it holds and those naming its instances, its arrival boards and
-        its rings. A request it sends later starts afresh (an instance it names is unknown: it registers again)."""
+        its store reservations, the lookup locks it holds and those naming its instances, and its arrival
+        boards. A request it sends later starts afresh (an instance it names is unknown: it registers again)."""
         with self._lock:
             conn = self._connections.pop(identity, None)
             if conn is None:
@@ -890,7 +852,7 @@ class CacheServer:
         with self._lock:
             boards, conn.boards = list(conn.boards.values()), {}
         self._park([board.close for board in boards])
-        self._park(self.transport.forget(identity))
+        self.transport.forget(identity)
         self.connections_ended += 1
         log.info("connection %s ended (%s): released %d cache instance(s) %s, %d store reservation(s), the lookup "
                  "locks of %d request(s), %d arrival board(s)", conn.label(), why, len(instances), sorted(mine),
@@ -905,7 +867,7 @@ class CacheServer:
         """Close what was parked before ``parked_before``, if no transfer is in flight anywhere now."""
         with self._lock:
             busy = any(i.transfers for i in self._instances.values()) or bool(self._draining)
-            if busy or self.transport.replies_deferred or not self._graveyard:
+            if busy or not self._graveyard:
                 return
             due = [c for t, c in self._graveyard if t <= parked_before]
             self._graveyard = [(t, c) for t, c in self._graveyard if t > parked_before]

@@ -1,8 +1,8 @@
 """The server's Prometheus metrics: what it served, what it holds, how long transfers took.
 
 One :class:`ServerMetrics` per :class:`~kvstrata.core.server.cache_server.CacheServer` (two servers in one
-process, as in tests, never share counters). Request outcomes are counted as the handlers return (a deferred
-GPU transfer when it settles), in plain counters; the state gauges (L1 use, locks, instances, transfers in
+process, as in tests, never share counters). Request outcomes are counted as the handlers return, in plain
+counters; the state gauges (L1 use, locks, instances, transfers in
 flight) are read from the server when scraped. ``kvstrata serve --metrics-port N`` serves them over HTTP
 (``prometheus_client`` is imported only then); ``kvstrata status`` shows the same numbers from SERVER_INFO.
 """
@@ -16,7 +16,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kvstrata.core.wire.protocol import RequestType
-from kvstrata.core.wire.transport import Deferred
 
 if TYPE_CHECKING:
     from kvstrata.core.server.cache_server import CacheServer
@@ -125,20 +124,6 @@ class ServerMetrics:
             except Exception as exc:
                 self._failed(rt, exc)
                 raise
-            if isinstance(result, Deferred):
-                settle = result.settle
-
-                def settle_counted() -> Any:
-                    try:
-                        value = settle()
-                    except Exception as exc:
-                        self._failed(rt, exc)
-                        raise
-                    self._served(rt, args, value, time.perf_counter() - started)
-                    return value
-
-                result.settle = settle_counted
-                return result
             self._served(rt, args, result, time.perf_counter() - started)
             return result
 

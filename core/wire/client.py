@@ -10,7 +10,7 @@ from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType, chunk_major_retrieve_tail
-from kvstrata.core.wire.transport import Client, RingSetting
+from kvstrata.core.wire.transport import Client
 
 
 def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]], *,
@@ -31,13 +31,12 @@ def build_retrieve_payload(key: CacheKey, instance_id: int, block_ids: Sequence[
 
 
 class CacheClient:
-    def __init__(self, address: str, *, timeout: float = 30.0, rings: RingSetting = "all",
+    def __init__(self, address: str, *, timeout: float = 30.0,
                  curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
-        """``rings``: what the transport's :meth:`~kvstrata.core.wire.transport.Client.attach_rings` attaches
-        when a worker registers (anything but ``all`` is for A/B measurements). ``curve_server_key`` (the
+        """``curve_server_key`` (the
         server's public ``NAME.key`` file) and ``curve_client_key`` (this client's ``NAME.key_secret`` file):
         connect with CURVE, as a server on tcp:// requires (see :mod:`kvstrata.core.wire.curve`)."""
-        self.transport = Client(address, default_timeout=timeout, rings=rings, curve_server_key=curve_server_key,
+        self.transport = Client(address, default_timeout=timeout, curve_server_key=curve_server_key,
                                 curve_client_key=curve_client_key)
 
     @property
@@ -100,8 +99,8 @@ class CacheClient:
         payload = build_retrieve_payload(
             key, instance_id, block_ids, skip_first_n_tokens=skip_first_n_tokens, event_handle=event_handle,
             arrival_board=arrival_board, layer_event_handles=layer_event_handles, layers_per_slice=layers_per_slice)
-        # as for STORE; a chunk-major retrieve's end may be announced in the mailbox (layer-major: the board)
-        return self.transport.submit(RequestType.RETRIEVE, payload, validate=False, mailbox=arrival_board is None)
+        # as for STORE
+        return self.transport.submit(RequestType.RETRIEVE, payload, validate=False)
 
     def retrieve(self, key: CacheKey, instance_id: int, block_ids: Sequence[Sequence[int]],
                  **kw: Any) -> dict[str, Any]:

@@ -95,28 +95,6 @@ def peek_request_id(frame: bytes) -> int | None:
         return None
 
 
-_UINT_BYTES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-
-
-def request_id_of(frame: bytes) -> int | None:
-    """The (non-negative) request id of a request frame, read from its first bytes without decoding the rest.
-
-    For telling a request's second copy from a new one (a client's request ring
-    and its ZMQ socket carry the same frames) at the cost of a few byte reads,
-    where a full decode of a RETRIEVE costs tens of microseconds. None when the
-    frame does not start like a request; the full decode then says what is wrong.
-    """
-    if len(frame) < 3 or frame[0] != 0x94 or frame[1] > 0x7F:  # [version (fixint), request_id, ...]
-        return None
-    first = frame[2]
-    if first <= 0x7F:
-        return first
-    n = _UINT_BYTES.get(first)
-    if n is None or len(frame) < 3 + n:
-        return None
-    return int.from_bytes(frame[3:3 + n], "big")
-
-
 def encode_reply(request_id: int, ok: bool, value: Any) -> bytes:
     return _pack([request_id, ok, value])
 

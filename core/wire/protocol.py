@@ -31,17 +31,11 @@ class RequestType(enum.IntEnum):
     FREE_LOOKUP_LOCKS = 6
     # 7 was END_SESSION, the same request as FREE_LOOKUP_LOCKS under another name: retired, never reuse it.
     SERVER_INFO = 8
-    ATTACH_RINGS = 9
-    """Served by the transport itself, not by a registered handler: see :data:`TRANSPORT_REQUESTS`."""
+    # 9 was ATTACH_RINGS (shared-memory request and reply rings, removed: see docs/decisions.md): never reuse it.
     RESERVE_STORE = 10
     """Engine placement: reserve L1 objects for a prompt's chunks; the engine copies into them itself."""
     COMMIT_STORE = 11
     """Engine placement: the engine's copies into a reservation have landed (commit) or never will (drop)."""
-
-
-TRANSPORT_REQUESTS = frozenset({RequestType.ATTACH_RINGS})
-"""Requests about the connection rather than the cache: the transport's server answers them, since only it
-knows which client (ZMQ identity) sent one. No handler is registered for them."""
 
 
 class ProtocolError(ValueError):
@@ -139,13 +133,6 @@ BOARD_REF = map_with(
 )
 """Names one arrival-board slot: the shared-memory segment, the slot index and
 the generation the worker stamped on it for this retrieve."""
-
-RING_REF = map_with(
-    {"name": STR, "slots": NONNEG_INT, "slot_bytes": NONNEG_INT},
-    "RingRef{name,slots,slot_bytes}",
-)
-"""Names one of a client's rings: a shared-memory segment on the server's host that carries copies of
-that client's requests or replies (see :mod:`kvstrata.core.wire.rings`)."""
 
 KV_CACHE_DESCRIPTOR = map_with(
     {"format": STR, "placement": STR, "num_layers": INT, "kv_size": INT},
@@ -247,8 +234,6 @@ DECLARATIONS: dict[RequestType, Declaration] = {
         ),
         Declaration(RequestType.COMMIT_STORE, (Item("reservation", NONNEG_INT), Item("landed", BOOL)), MAP,
                     blocking=False),
-        Declaration(RequestType.ATTACH_RINGS, (Item("replies", RING_REF), Item("requests", optional(RING_REF)),
-                                               Item("mailbox", optional(RING_REF))), BOOL, blocking=False),
     )
 }
 

@@ -11,30 +11,13 @@ Server: a small pool of threads takes turns waiting on the socket. The thread
 holding the turn (the leader) serves quick requests (PING, LOOKUP) itself and
 keeps waiting, so a LOOKUP and its RETRIEVE wake no other thread. On a blocking
 request (STORE, RETRIEVE) it hands the turn to the next thread and runs the
-handler. A handler marked with :func:`hands_over_turn` keeps the turn until it
-calls :meth:`Server.release_turn`: the hand-over wakes a thread that then wants
-the GIL, and on a virtual machine that contention costs a tenth of a
-millisecond or more, so a transfer hands over only once its first slice is
-enqueued. A handler whose device is still copying returns a :class:`Deferred`:
-the thread holding the turn watches its completion along with the socket and
-answers it from there, so the handler's thread is free once the copies are
-enqueued. At most ``transfer_threads`` transfers run at once, so one thread is
-always left to answer PING and LOOKUP while transfers copy; blocking requests
-beyond that wait in a queue.
+handler, which answers once its copies are done. At most ``transfer_threads``
+transfers run at once, so one thread is always left to answer PING and LOOKUP
+while transfers copy; blocking requests beyond that wait in a queue.
 
 Client: the caller's thread sends; one I/O thread waits for replies and
-resolves futures.
-
-A client on the server's host may also attach shared-memory rings
-(:mod:`kvstrata.core.wire.rings`, ATTACH_RINGS), so that neither side's ZMQ I/O
-thread has to wake on the way: it writes each request into its request ring
-before sending it, and the server's spin sees it there; the server writes each
-reply into the reply ring before sending it, and a client that polls
-(:meth:`Client.poll`, which an engine calls every step) resolves it from there.
-Every frame still goes over ZMQ. The client numbers its requests in the order it
-sends them, and the server takes a request from the ring only if it is the next
-one that client sent; its ZMQ copy, arriving later, is dropped. So each request
-is served once and in order, whichever copy comes first.
+resolves futures. A caller that polls anyway (an engine asking each step which
+transfers finished) may resolve arrived replies itself (:meth:`Client.poll`).
 """
 
 from __future__ import annotations
@@ -50,27 +33,21 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Callable
 
 import zmq
 
 from kvstrata.core.wire import codec
 from kvstrata.core.wire.curve import FLAGS_HINT, HANDSHAKE_EVENTS, ClientCurve, ServerCurve, handshake_hint
-from kvstrata.core.wire.protocol import DECLARATIONS, TRANSPORT_REQUESTS, ProtocolError, RequestType, check_handler_signature
-from kvstrata.core.shm import Segment, SegmentKind
-from kvstrata.core.wire.rings import (MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, REPLY_SLOT_BYTES, REPLY_SLOTS, REQUEST_SLOT_BYTES,
-                       REQUEST_SLOTS, Mailbox, SlotRing)
+from kvstrata.core.wire.protocol import DECLARATIONS, ProtocolError, RequestType, check_handler_signature
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
-BusyWait = Callable[..., bool]
-"""``busy_wait(fd, max_us, *, events=..., words=...)``: poll ``fd`` without sleeping and without the GIL;
-True once readable or, given ``events`` (handles such as a :class:`Deferred`'s ``wait_handle``), once one of
-them has completed, or, given ``words`` ((address, value) pairs), once one of those 64-bit words holds its
-value (a request ring's next frame published). The CUDA extension provides one (``spin_until_readable``);
-see :meth:`Server.enable_busy_poll`."""
+BusyWait = Callable[[int, int], bool]
+"""``busy_wait(fd, max_us)``: poll ``fd`` for up to ``max_us`` microseconds without sleeping and without the
+GIL; True once readable. The CUDA extension provides one (``spin_until_readable``); see
+:meth:`Server.enable_busy_poll`."""
 
 _POLL_MS = 100
 """How long a waiting thread sleeps on the socket before it checks for shutdown."""
@@ -81,59 +58,6 @@ has nothing to ask from a stopped process (the server's lease is many heartbeats
 
 _IDLE_S = 1.0
 """How long a thread waiting for the turn sleeps before it looks for queued work (a hand-over wakes it sooner)."""
-
-_SPIN_SLICE_S = 100e-6
-"""Busy polling returns to Python this often to look for newly deferred replies (see :class:`Deferred`)."""
-
-_AWAIT_SPIN_S = 2e-3
-"""With replies deferred on handles the busy-wait function watches, it spins this long at most per call."""
-
-_MAX_PEERS = 256
-"""Clients whose rings a server keeps mapped; beyond that the least recently attached is let go (its
-frames then travel over ZMQ only). ZMQ does not say when a client went away."""
-
-RingSetting = Literal["all", "rings", "replies", "none"]
-"""What :meth:`Client.attach_rings` attaches: ``all`` (request and reply rings and the mailbox), ``rings``
-(no mailbox), ``replies`` (the reply ring only) or ``none`` (nothing: frames travel over ZMQ only). Anything
-but ``all`` is for A/B measurements of what each shared-memory path is worth."""
-RING_SETTINGS: tuple[str, ...] = get_args(RingSetting)
-
-
-def hands_over_turn(handler: Handler) -> Handler:
-    """Mark a blocking handler that calls :meth:`Server.release_turn` once its latency-critical start is done.
-
-    Until then no other server thread is woken, so the handler's first steps run
-    without GIL contention; requests arriving meanwhile wait that long (the
-    transport releases the turn when the handler returns in any case).
-    """
-    handler.hands_over_turn = True  # type: ignore[attr-defined]
-    return handler
-
-
-class Deferred:
-    """What a blocking handler returns when its device is still copying: the reply comes once it is done.
-
-    ``ready()`` says, without blocking, whether the device has finished (a hint:
-    it may say so late, never early); ``settle()`` then finishes the request (it
-    may block until the device is done, release what the request held, raise) and
-    returns the reply's value. ``wait_handle``, if not 0, is a handle the server's
-    busy-wait function can watch without the GIL (a raw CUDA event).
-
-    With busy polling on, the thread that polls the socket also watches these and
-    settles each one as soon as it is ready, so the reply leaves within
-    microseconds of the copy's end from a thread that is awake, and the handler's
-    own thread is free at once. Without it, the handler's thread settles it at once.
-    """
-
-    __slots__ = ("settle", "ready", "wait_handle", "mail")
-
-    def __init__(self, settle: Callable[[], Any], ready: Callable[[], bool], wait_handle: int = 0) -> None:
-        self.settle = settle
-        self.ready = ready
-        self.wait_handle = wait_handle
-        self.mail: MailSlot | None = None
-        """The client's mailbox slot the handler took (:meth:`Server.mailbox_slot`): freed once answered."""
-
 
 class RemoteError(RuntimeError):
     """The server answered a request with an error; ``code`` says which kind (see :data:`ERROR_CODES`)."""
@@ -284,26 +208,14 @@ class SharedSocket:
             finally:
                 self._drain()
 
-    def wait(self, timeout_ms: int, spin_us: int = 0, events: list[int] | None = None,
-             words: list[tuple[int, int]] | None = None) -> None:
+    def wait(self, timeout_ms: int, spin_us: int = 0) -> None:
         """Wait until the socket may have input (or the timeout), then drain it. One waiter at a time.
 
         With ``spin_us`` and a :attr:`busy_wait` function, first poll without
-        sleeping for up to that long (outside the GIL), then sleep as usual. The
-        spin also ends when one of ``events`` (handles the busy-wait function
-        understands) has completed or one of ``words`` holds its value; the
-        caller then looks at what it waits for.
+        sleeping for up to that long (outside the GIL), then sleep as usual.
         """
         if not self.inbox:
-            spun_to_input = False
-            if spin_us > 0 and self.busy_wait is not None:
-                watch: dict[str, Any] = {}
-                if events:
-                    watch["events"] = events
-                if words:
-                    watch["words"] = words
-                spun_to_input = self.busy_wait(self._fd, spin_us, **watch)
-            if not spun_to_input:
+            if not (spin_us > 0 and self.busy_wait is not None and self.busy_wait(self._fd, spin_us)):
                 self._poll.poll(timeout_ms)
         with self._lock:
             self._drain()
@@ -347,73 +259,13 @@ class SharedSocket:
             self.sock.close(linger=0)
 
 
-@dataclass
-class _Peer:
-    """A client that attached rings, by its ZMQ identity.
-
-    Only the thread holding the turn reads or changes it, except :attr:`replies`,
-    which every answering thread writes (the ring has its own lock).
-    """
-
-    replies: SlotRing
-    requests: SlotRing | None
-    mailbox: Mailbox | None
-    next_id: int
-    """The id of the request this client sent next after the last one served: it numbers its requests
-    in the order it sends them, so the ring's next frame may be served early only if it has this id."""
-    early: set[int] = field(default_factory=set)
-    """Requests served from the ring whose ZMQ copy has not arrived yet; that copy is dropped."""
-    stalled: bool = False
-    """The ring's next frame is ahead of next_id: ZMQ must deliver what was sent before it first."""
-    mail_free: list[int] = field(default_factory=list)
-    """Mailbox slots no transfer holds (guarded by the server's peers lock)."""
-    retired: bool = False
-    """Replaced or let go: its mailbox closes once no transfer holds a slot (a device may still write one)."""
-
-    def close(self) -> None:
-        """Close the rings now, the mailbox once no transfer in flight holds a slot of it."""
-        self.retired = True
-        self.replies.close()
-        if self.requests is not None:
-            self.requests.close()
-        if self.mailbox is not None and len(self.mail_free) == self.mailbox.slots:
-            self.mailbox.close()
-
-
-@dataclass
-class MailSlot:
-    """A slot of a client's mailbox, lent to the transfer being served until its reply has gone out."""
-
-    peer: _Peer
-    index: int
-    request_id: int
-
-    @property
-    def segment(self) -> Segment:
-        assert self.peer.mailbox is not None
-        return self.peer.mailbox.segment
-
-    @property
-    def word_offset(self) -> int:
-        assert self.peer.mailbox is not None
-        return self.peer.mailbox.word_offset(self.index)
-
-    def fill(self, value: Any) -> bool:
-        """Write the success reply ``value`` into the slot (the device stores the request id when done)."""
-        box = self.peer.mailbox
-        return box is not None and not self.peer.retired and box.fill(
-            self.index, codec.encode_reply(self.request_id, True, value))
-
-
 class Server:
     """Serves registered handlers on one ROUTER socket until :meth:`stop`."""
 
     def __init__(self, address: str, *, transfer_threads: int = 4, allow_remote: bool = False,
-                 defer_replies: bool = True, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  curve_secret_key: str | None = None, curve_clients: str | None = None) -> None:
-        """``defer_replies``: with busy polling on, the polling thread settles and answers a handler's
-        :class:`Deferred`; False has the handler's own thread do it (as without busy polling), for A/B
-        measurements of what deferring is worth. ``max_message_bytes``: see :data:`DEFAULT_MAX_MESSAGE_BYTES`.
+        """``max_message_bytes``: see :data:`DEFAULT_MAX_MESSAGE_BYTES`.
         ``curve_secret_key`` (the server's ``NAME.key_secret`` file) and ``curve_clients`` (a directory of the
         authorized clients' ``NAME.key`` files): serve CURVE-authenticated clients only (see
         :mod:`kvstrata.core.wire.curve`); a tcp:// address requires them."""
@@ -444,19 +296,9 @@ class Server:
         self._busy_wait: BusyWait | None = None
         self._busy_window_s = 0.0
         self._last_request = 0.0
-        self._awaiting: list[tuple[bytes, codec.Request, Deferred]] = []
-        """Blocking requests whose handler returned a :class:`Deferred`: settled by the polling thread."""
-        self._awaiting_lock = threading.Lock()
-        self._watch_events = True  # off while transfers whose event failed to be watched are in flight
-        self._defer_replies = defer_replies
         self._local = threading.local()  # .holds_turn: this thread is the leader
-        self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
-        """Clients that attached rings, by ZMQ identity (see ATTACH_RINGS)."""
-        self._peers_lock = threading.Lock()
         self._last_seen: dict[bytes, float] = {}
         """When each client's last frame arrived (see :meth:`last_seen`)."""
-        self.ring_requests = 0
-        """Requests served from a client's request ring, ahead of their ZMQ copy."""
 
     def enable_busy_poll(self, busy_wait: BusyWait, window_ms: float) -> None:
         """After each request, have the waiting thread poll without sleeping for ``window_ms``.
@@ -475,13 +317,11 @@ class Server:
 
     def register(self, request_type: RequestType, handler: Handler) -> None:
         """Register a handler; raises ProtocolError if its arity differs from the declaration."""
-        if request_type in TRANSPORT_REQUESTS:
-            raise ProtocolError(f"{request_type.name} is served by the transport; it takes no handler")
         check_handler_signature(request_type, handler)
         self._handlers[request_type] = handler
 
     def start(self) -> None:
-        missing = [rt.name for rt in RequestType if rt not in self._handlers and rt not in TRANSPORT_REQUESTS]
+        missing = [rt.name for rt in RequestType if rt not in self._handlers]
         if missing:
             raise ProtocolError(f"no handler registered for {', '.join(missing)}")
         router = self._ctx.socket(zmq.ROUTER)
@@ -516,20 +356,8 @@ class Server:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10)
-        with self._awaiting_lock:
-            left, self._awaiting = self._awaiting, []
-        for _, request, deferred in left:  # no reply goes out any more, but what they hold is released
-            self._settle(request, deferred)
-            self._free_mail(deferred.mail)
-        if left:
-            log.info("stopped with %d transfer(s) in flight: settled without replies", len(left))
         if self._sock is not None:
             self._sock.close()
-        with self._peers_lock:
-            peers, self._peers = list(self._peers.values()), collections.OrderedDict()
-            for peer in peers:  # every transfer has been settled above: no device writes a mailbox now
-                peer.mail_free = list(range(peer.mailbox.slots)) if peer.mailbox is not None else []
-                peer.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -567,25 +395,12 @@ class Server:
                               threading.current_thread().name)
 
     def _lead(self, sock: SharedSocket) -> None:
-        """Hold the turn: wait on the socket and serve quick requests until a blocking one arrives.
-
-        The blocking request runs on this thread, which hands the turn on before
-        the handler starts, or (:func:`hands_over_turn`) when the handler says so.
-        Meanwhile this thread also settles deferred replies whose device is done.
-        """
+        """Hold the turn: wait on the socket and serve quick requests until a blocking one arrives, which
+        then runs on this thread once the turn is handed to the next one."""
         self._local.holds_turn = True
         try:
             while not self._stop.is_set():
-                if self._awaiting:
-                    self._settle_ready()
-                if self._blocking_queued:  # a settled transfer may have freed a slot a queued one waits for
-                    queued = self._take_queued_blocking()
-                    if queued is not None:
-                        self._start_blocking(*queued)
-                        return
-                frames = self._pop_ring() if self._peers else None
-                if frames is None:
-                    frames = self._pop_socket(sock)
+                frames = self._pop(sock)
                 if frames is None:
                     self._wait(sock)
                     continue
@@ -593,96 +408,37 @@ class Server:
                 if decoded is None:
                     continue
                 identity, request = decoded
-                if request.request_type is RequestType.ATTACH_RINGS:
-                    self._send(identity, self._reply(
-                        request, lambda: self._attach_rings(identity, request.request_id, *request.payload)))
-                    continue
                 if not DECLARATIONS[request.request_type].blocking:
-                    reply = self._run(request, identity)
-                    self._send(identity, self._settle(request, reply) if isinstance(reply, Deferred) else reply)
+                    self._send(identity, self._run(request, identity))
                     continue
                 with self._work:
                     if self._blocking_running >= self.transfer_threads:
                         self._blocking_queued.append((identity, request))
                         continue
                     self._blocking_running += 1
-                self._start_blocking(identity, request)
+                self._release_turn()
+                self._run_blocking(identity, request)
                 return
         finally:
-            self.release_turn()
+            self._release_turn()
 
     def _wait(self, sock: SharedSocket) -> None:
-        """Wait for the socket as the leader: spin inside the busy window (or while replies are deferred),
-        else sleep."""
-        now = time.monotonic()
-        spin_s = self._last_request + self._busy_window_s - now
-        awaiting = self._awaiting
-        if awaiting:
-            spin_s = max(spin_s, _AWAIT_SPIN_S)  # transfers in flight: keep watching them whatever the window
-        if self._busy_wait is None:
-            sock.wait(1 if awaiting else _POLL_MS)  # deferred replies are looked at every millisecond
-            return
-        if spin_s <= 0:
+        """Wait for the socket as the leader: spin inside the busy window, else sleep."""
+        spin_s = self._last_request + self._busy_window_s - time.monotonic()
+        if self._busy_wait is None or spin_s <= 0:
             sock.wait(_POLL_MS)
             return
-        handles = [d.wait_handle for _, _, d in awaiting]
-        watch = bool(handles) and all(handles) and self._watch_events
-        words = [p.requests.watch() for p in list(self._peers.values())
-                 if p.requests is not None and not p.stalled] if self._peers else None
         try:
-            if watch:  # the busy-wait function watches them: no need to come back early
-                sock.wait(0, int(min(spin_s, _AWAIT_SPIN_S) * 1e6) + 1, handles, words)
-            else:  # come back soon for replies deferred meanwhile, or whose readiness only Python can tell
-                sock.wait(0, int(min(spin_s, _SPIN_SLICE_S) * 1e6) + 1, None, words)
+            sock.wait(0, int(spin_s * 1e6) + 1)
         except zmq.ZMQError:
             raise
         except Exception as exc:
-            if watch:
-                # Most likely a transfer failed on the device and its event reports the error: its
-                # settle() answers it with that error. Until the transfers watched now have all
-                # settled, their readiness is asked from Python between short spins instead.
-                log.warning("watching transfer completion events failed (%s); polling them from Python until "
-                            "they settle", exc)
-                self._watch_events = False
-                return
             log.error("busy polling failed and is now off (waits sleep on the socket instead): %s", exc)
             self._busy_wait = None
             sock.busy_wait = None
 
-    def _start_blocking(self, identity: bytes, request: codec.Request) -> None:
-        """Run a blocking request (its slot already counted) on this thread, handing the turn over first
-        unless the handler keeps it (:func:`hands_over_turn`)."""
-        if not getattr(self._handlers[request.request_type], "hands_over_turn", False):
-            self.release_turn()
-        self._run_blocking(identity, request)
-
-    def _settle_ready(self) -> None:
-        """Settle and answer every deferred reply whose device is done, freeing its transfer slot."""
-        with self._awaiting_lock:
-            entries = list(self._awaiting)
-        for entry in entries:
-            identity, request, deferred = entry
-            try:
-                ready = deferred.ready()
-            except Exception:  # settle() reports what went wrong
-                ready = True
-            if not ready:
-                continue
-            with self._awaiting_lock:
-                self._awaiting.remove(entry)
-            try:
-                self._send(identity, self._settle(request, deferred))
-            finally:
-                self._end_blocking(deferred.mail)
-        if not self._awaiting:
-            self._watch_events = True  # whatever made a watched event fail has been settled
-
-    def release_turn(self) -> None:
-        """Let the next thread wait on the socket, if this thread holds the turn (else nothing).
-
-        Called by :func:`hands_over_turn` handlers once the work that must not
-        be disturbed is done; the transport calls it too when such a handler returns.
-        """
+    def _release_turn(self) -> None:
+        """Let the next thread wait on the socket, if this thread holds the turn (else nothing)."""
         if getattr(self._local, "holds_turn", False):
             self._local.holds_turn = False
             self._turn.release()
@@ -693,51 +449,6 @@ class Server:
             return sock.inbox.popleft()
         except IndexError:
             return None
-
-    def _pop_socket(self, sock: SharedSocket) -> list[bytes] | None:
-        """The next message from the socket, less the copies of requests already served from a ring."""
-        while True:
-            frames = self._pop(sock)
-            if frames is None or len(frames) != 2 or not self._peers:
-                return frames
-            peer = self._peers.get(frames[0])
-            rid = codec.request_id_of(frames[1]) if peer is not None else None
-            if rid is None:
-                return frames
-            if rid in peer.early:
-                peer.early.discard(rid)
-                continue
-            if rid >= peer.next_id:
-                peer.next_id, peer.stalled = rid + 1, False
-            return frames
-
-    def _pop_ring(self) -> list[bytes] | None:
-        """[identity, frame] of a request a client's ring holds and that is the next one it sent, if any.
-
-        A frame further ahead stays in the ring until ZMQ has delivered what was
-        sent before it (then it is a copy, and skipped): serving it first would
-        reorder that client's requests. Frames without a request id are left to
-        their ZMQ copy, which gets the error reply.
-        """
-        for identity, peer in list(self._peers.items()):
-            ring = peer.requests
-            while ring is not None and not peer.stalled:
-                frame = ring.peek()
-                if frame is None:
-                    break
-                rid = codec.request_id_of(frame)
-                if rid is None or rid < peer.next_id:
-                    ring.advance()  # served from its ZMQ copy already, or malformed
-                    continue
-                if rid > peer.next_id:
-                    peer.stalled = True
-                    break
-                ring.advance()
-                peer.early.add(rid)
-                peer.next_id = rid + 1
-                self.ring_requests += 1
-                return [identity, frame]
-        return None
 
     def _take_queued_blocking(self) -> tuple[bytes, codec.Request] | None:
         with self._work:
@@ -769,106 +480,21 @@ class Server:
         return identity, request
 
     def _run_blocking(self, identity: bytes, request: codec.Request) -> None:
-        deferred = False
-        self._local.request, self._local.mail = (identity, request.request_id), None
         try:
-            try:
-                reply = self._run(request, identity)
-            finally:
-                mail, self._local.request, self._local.mail = self._local.mail, None, None
-            if isinstance(reply, Deferred):
-                reply.mail = mail
-                if self._busy_wait is not None and self._defer_replies and not self._stop.is_set():
-                    with self._awaiting_lock:  # the polling thread settles and answers it
-                        self._awaiting.append((identity, request, reply))
-                    deferred = True
-                    return
-                reply = self._settle(request, reply)
-            self._send(identity, reply)
+            self._send(identity, self._run(request, identity))
         finally:
-            if not deferred:
-                self._end_blocking(mail)
-
-    def _end_blocking(self, mail: MailSlot | None) -> None:
-        """A blocking request has been answered: its mailbox slot and its transfer slot are free."""
-        self._free_mail(mail)
-        with self._work:
-            self._blocking_running -= 1
+            with self._work:
+                self._blocking_running -= 1
 
     def _send(self, identity: bytes, reply: bytes) -> None:
         assert self._sock is not None
-        peer = self._peers.get(identity)
-        if peer is not None:
-            peer.replies.post(reply)  # first: a polling client finds it there before the socket leg ends
         try:
             self._sock.send([identity, reply])
         except zmq.ZMQError as exc:
             if not self._stop.is_set():
                 log.warning("could not send a reply: %s", exc)
 
-    def mailbox_slot(self) -> MailSlot | None:
-        """For the blocking request this thread is serving: a free slot of its client's mailbox, or None.
-
-        Lent until the request's reply has gone out (one per request); see
-        :class:`~kvstrata.core.wire.rings.Mailbox` for what the slot is for.
-        """
-        current = getattr(self._local, "request", None)
-        if current is None or getattr(self._local, "mail", None) is not None:
-            return None
-        identity, request_id = current
-        peer = self._peers.get(identity)
-        if peer is None or peer.mailbox is None:
-            return None
-        with self._peers_lock:
-            if peer.retired or not peer.mail_free:
-                return None
-            slot = MailSlot(peer, peer.mail_free.pop(), request_id)
-        self._local.mail = slot
-        return slot
-
-    def _free_mail(self, slot: MailSlot | None) -> None:
-        if slot is None:
-            return
-        with self._peers_lock:
-            peer = slot.peer
-            peer.mail_free.append(slot.index)
-            if peer.retired:
-                peer.close()
-
-    @property
-    def ring_clients(self) -> int:
-        """Clients that attached shared-memory rings (see ATTACH_RINGS)."""
-        return len(self._peers)
-
-    def _attach_rings(self, identity: bytes, request_id: int, replies: dict[str, Any],
-                      requests: dict[str, Any] | None, mailbox: dict[str, Any] | None) -> bool:
-        """ATTACH_RINGS: map the sender's rings; from its next request on, they carry copies of its frames."""
-        peer = _Peer(SlotRing.attach(replies, SegmentKind.REPLY_RING), None, None, request_id + 1)
-        try:
-            if requests is not None:
-                peer.requests = SlotRing.attach(requests, SegmentKind.REQUEST_RING)
-            if mailbox is not None:
-                peer.mailbox = Mailbox.attach(mailbox)
-                peer.mail_free = list(range(peer.mailbox.slots))
-        except Exception:
-            peer.close()
-            raise
-        with self._peers_lock:
-            old = self._peers.pop(identity, None)
-            self._peers[identity] = peer
-            evicted = self._peers.popitem(last=False)[1] if len(self._peers) > _MAX_PEERS else None
-        for p in (old, evicted):
-            if p is not None:
-                with self._peers_lock:
-                    p.close()
-        if evicted is not None:
-            log.info("rings %s let go: more than %d clients attached rings; that client's frames travel over "
-                     "ZMQ only", evicted.replies.name, _MAX_PEERS)
-        log.debug("rings attached: replies %s, requests %s", peer.replies.name,
-                  peer.requests.name if peer.requests is not None else None)
-        return True
-
-    def _run(self, request: codec.Request, identity: bytes) -> bytes | Deferred:
+    def _run(self, request: codec.Request, identity: bytes) -> bytes:
         handler = self._handlers[request.request_type]
         self._local.client = identity
         try:
@@ -886,37 +512,16 @@ class Server:
         """When client ``identity``'s last frame arrived (``time.monotonic()``), None if never or forgotten."""
         return self._last_seen.get(identity)
 
-    def forget(self, identity: bytes) -> list[Callable[[], None]]:
-        """Drop what the transport keeps for client ``identity``: its rings and when it was last seen; its later
-        frames are served as any new client's. Returns what closes its rings, for the caller to run once no
-        thread can still be reading them (a busy poll started before may still watch a ring's word, and a
-        device may still be writing its mailbox)."""
+    def forget(self, identity: bytes) -> None:
+        """Drop when client ``identity`` was last seen: its later frames are served as any new client's."""
         self._last_seen.pop(identity, None)
-        with self._peers_lock:
-            peer = self._peers.pop(identity, None)
-        if peer is None:
-            return []
 
-        def close() -> None:
-            with self._peers_lock:
-                peer.close()
-
-        return [close]
-
-    def forget_silent(self, older_than_s: float) -> list[Callable[[], None]]:
-        """Forget every client silent for more than ``older_than_s`` seconds (the server's lease); see
-        :meth:`forget` for what it returns."""
+    def forget_silent(self, older_than_s: float) -> None:
+        """Forget every client silent for more than ``older_than_s`` seconds (the server's lease)."""
         cutoff = time.monotonic() - older_than_s
-        closers: list[Callable[[], None]] = []
         for identity, seen in list(self._last_seen.items()):
             if seen < cutoff:
-                closers += self.forget(identity)
-        return closers
-
-    @property
-    def replies_deferred(self) -> int:
-        """Transfers whose copies may still be running, answered by the polling thread once they are done."""
-        return len(self._awaiting)
+                self.forget(identity)
 
     def is_connected(self, identity: bytes) -> bool:
         """Whether the client ``identity`` is still connected: a frame it ignores (a reply to request 0,
@@ -924,18 +529,10 @@ class Server:
         assert self._sock is not None
         return self._sock.reachable(identity, codec.encode_reply(0, True, None))
 
-    def _settle(self, request: codec.Request, deferred: Deferred) -> bytes:
-        reply = self._reply(request, deferred.settle)
-        if isinstance(reply, Deferred):
-            raise ProtocolError(f"{request.request_type.name}: a deferred reply settled into another deferred one")
-        return reply
-
-    def _reply(self, request: codec.Request, produce: Callable[[], Any]) -> bytes | Deferred:
-        """The encoded reply to ``request`` from ``produce()``'s value or error, or the Deferred it returned."""
+    def _reply(self, request: codec.Request, produce: Callable[[], Any]) -> bytes:
+        """The encoded reply to ``request`` from ``produce()``'s value or error."""
         try:
             result = produce()
-            if isinstance(result, Deferred):
-                return result
             self._count(True)
             return codec.encode_reply(request.request_id, True, result)
         except Exception as exc:
@@ -957,18 +554,15 @@ _REFUSED_FOR_GOOD = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED
 class Client:
     """Sends requests from the caller's thread; replies resolve futures on one I/O thread."""
 
-    def __init__(self, address: str, *, default_timeout: float = 30.0, rings: RingSetting = "all",
+    def __init__(self, address: str, *, default_timeout: float = 30.0,
                  curve_server_key: str | None = None, curve_client_key: str | None = None) -> None:
-        """``rings``: what :meth:`attach_rings` attaches (see :data:`RingSetting`). ``curve_server_key`` (the
+        """``curve_server_key`` (the
         server's public ``NAME.key`` file) and ``curve_client_key`` (this client's ``NAME.key_secret`` file):
         connect with CURVE, as a kvstrata server on tcp:// requires (see :mod:`kvstrata.core.wire.curve`)."""
-        if rings not in RING_SETTINGS:
-            raise ValueError(f"rings must be one of {RING_SETTINGS}, got {rings!r}")
         self._curve = ClientCurve.load(curve_server_key, curve_client_key) \
             if curve_server_key or curve_client_key else None
         self.address = address
         self.default_timeout = default_timeout
-        self.rings = rings
         self._ctx = zmq.Context()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -993,20 +587,13 @@ class Client:
         self._closed = False
         self._last_sent = time.monotonic()
         self._send_lock = threading.Lock()
-        """Held from numbering a request to sending it: ids follow the order requests are sent in, which the
-        server relies on to serve a request from the ring only when it is the next one (see Server)."""
-        self._replies: SlotRing | None = None
-        self._requests: SlotRing | None = None
-        self._mailbox: Mailbox | None = None
-        self._mail_wanted: set[int] = set()
-        """Pending requests whose reply the server may announce in the mailbox (guarded by the pending lock)."""
-        self._replies_lock = threading.Lock()  # one reader at a time
+        """Held from numbering a request to sending it: ids follow the order requests are sent in."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-client-io", daemon=True)
         self._thread.start()
 
     def submit(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...], *,
-               validate: bool = True, mailbox: bool = False) -> Future:
+               validate: bool = True) -> Future:
         """Send a request and return a future for its value (RemoteError on an error reply).
 
         The payload is validated here too, so a caller bug fails in the caller with
@@ -1014,14 +601,12 @@ class Client:
         payloads a typed builder made (``CacheClient``'s transfer calls): the server
         still checks them and answers a bad one with an error naming the item, and
         the check stays off the engine thread's path to the first slice.
-        ``mailbox``: the server may announce this request's reply in the mailbox
-        (a chunk-major RETRIEVE), so :meth:`poll` looks there while it is pending.
         """
         payload = list(payload)
         if validate:
             DECLARATIONS[request_type].validate(payload)
         fut: Future = Future()
-        self._send_request(request_type, payload, fut, mailbox)
+        self._send_request(request_type, payload, fut)
         return fut
 
     def submit_unchecked(self, request_type: RequestType | int, payload: Any) -> Future:
@@ -1030,8 +615,7 @@ class Client:
         self._send_request(request_type, payload, fut)
         return fut
 
-    def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None,
-                      mailbox: bool = False) -> None:
+    def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None) -> None:
         with self._send_lock:
             self._check_open()
             rid = self._next_id
@@ -1041,10 +625,6 @@ class Client:
             if fut is not None:
                 with self._pending_lock:
                     self._pending[rid] = (request_type, fut)
-                    if mailbox and self._mailbox is not None:
-                        self._mail_wanted.add(rid)
-            if self._requests is not None:
-                self._requests.post(frame)  # first: the server's spin may take it from there
             self._send_frame(frame)
         self._resolve_inbox()  # outside the lock: resolving runs callbacks, which may send
 
@@ -1076,71 +656,8 @@ class Client:
         awake instead of waiting for the I/O thread to be woken from its sleep.
         """
         if not self._closed:
-            self._take_replies()
             self._sock.try_drain()
             self._resolve_inbox()
-
-    def attach_rings(self, timeout: float | None = None) -> bool:
-        """Attach shared-memory rings for this client's requests and replies (see the module docstring).
-
-        Worth it for a client on the server's host that polls (an engine asking
-        each step which transfers finished) while the server busy-polls (a GPU
-        server does). Returns False, with a log line saying why, where that cannot
-        work (the server is on another host, or this client was built with
-        ``rings="none"``); frames then travel over ZMQ alone, as they always also
-        do. ``rings="replies"`` attaches the reply ring only, ``rings="rings"`` no
-        mailbox.
-        """
-        if self._replies is not None:
-            return True
-        setting = self.rings
-        if setting == "none":
-            log.info("shared-memory rings off (rings=%r): frames to and from %s travel over ZMQ only", setting,
-                     self.address)
-            return False
-        replies = SlotRing.create(REPLY_SLOTS, REPLY_SLOT_BYTES, SegmentKind.REPLY_RING)
-        requests = SlotRing.create(REQUEST_SLOTS, REQUEST_SLOT_BYTES, SegmentKind.REQUEST_RING) \
-            if setting != "replies" else None
-        mailbox = Mailbox.create(MAILBOX_SLOTS, MAILBOX_SLOT_BYTES) if setting == "all" else None
-        refs = [r.ref() if r is not None else None for r in (replies, requests, mailbox)]
-        try:
-            self.call(RequestType.ATTACH_RINGS, refs, timeout)
-        except (RemoteError, RequestTimeout) as exc:
-            for ring in (replies, requests, mailbox):
-                if ring is not None:
-                    ring.destroy()
-            log.warning("no shared-memory rings with %s, frames travel over ZMQ only: %s", self.address, exc)
-            return False
-        with self._send_lock, self._replies_lock:
-            self._replies, self._requests, self._mailbox = replies, requests, mailbox
-        log.info("requests to and replies from %s also travel through shared memory (%s)", self.address,
-                 ", ".join(r.name for r in (replies, requests, mailbox) if r is not None))
-        return True
-
-    @property
-    def reply_ring(self) -> SlotRing | None:
-        return self._replies
-
-    @property
-    def request_ring(self) -> SlotRing | None:
-        return self._requests
-
-    @property
-    def mailbox(self) -> Mailbox | None:
-        return self._mailbox
-
-    def _take_replies(self) -> None:
-        if self._replies is None or not self._replies_lock.acquire(blocking=False):
-            return  # no ring, or another thread is reading it now
-        try:
-            # replies the GPU announced itself first: the ring may hold later copies of the same
-            frames = self._mailbox.scan(self._mail_wanted) if self._mailbox is not None and self._mail_wanted else []
-            if self._replies is not None:
-                frames += self._replies.take()
-        finally:
-            self._replies_lock.release()
-        for frame in frames:
-            self._resolve(frame)
 
     def call(self, request_type: RequestType, payload: list[Any] | tuple[Any, ...] = (),
              timeout: float | None = None) -> Any:
@@ -1199,14 +716,12 @@ class Client:
             for rid, (_, f) in list(self._pending.items()):
                 if f is fut:
                     del self._pending[rid]
-                    self._mail_wanted.discard(rid)
 
     def fail_pending(self, reason: str) -> None:
         """Fail every outstanding future (used when the peer is known to be gone)."""
         with self._pending_lock:
             pending = list(self._pending.values())
             self._pending.clear()
-            self._mail_wanted.clear()
         for rt, fut in pending:
             if not fut.done():
                 fut.set_exception(RemoteError(f"{RequestType(rt).name if isinstance(rt, int) else rt}: {reason}"))
@@ -1222,12 +737,6 @@ class Client:
         if self._monitor is not None:
             with self._monitor_lock:
                 self._monitor.close(linger=0)
-        with self._send_lock, self._replies_lock:
-            rings = (self._replies, self._requests, self._mailbox)
-            self._replies, self._requests, self._mailbox = None, None, None
-        for ring in rings:
-            if ring is not None:
-                ring.destroy()
         self._ctx.term()
 
     def __enter__(self) -> "Client":
@@ -1283,7 +792,6 @@ class Client:
             return
         with self._pending_lock:
             entry = self._pending.pop(reply.request_id, None)
-            self._mail_wanted.discard(reply.request_id)
         if entry is None:
             return  # timed out earlier, or an error reply to a raw frame
         _, fut = entry

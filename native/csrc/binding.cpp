@@ -49,17 +49,7 @@ void copy(bool scatter, uintptr_t planes, uintptr_t tokens, uint64_t src_base, i
 // 3.2x after 20 ms of spinning, but 1.9x when the spin kept calling the CUDA driver
 // (benchmarks/profile_host.py --idle-study on the H200): the driver's own code and data
 // go cold between transfers, and a query keeps them resident at no cost to the GPU.
-//
-// With events, it also returns (true) as soon as any of them has completed: the server's
-// polling thread waits on the socket and on its transfers' completion at once, and sends
-// a reply within microseconds of the copy's end instead of after a thread's wake-up.
-//
-// With words, a list of (address, value) pairs, it also returns (true) as soon as the
-// 64-bit word at one of those addresses holds its value: a request ring's next slot being
-// published by a client on this host (kvstrata.core.shm_ring), seen without either side's
-// ZMQ I/O thread waking.
-bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream, const std::vector<uintptr_t>& events,
-                         const std::vector<std::pair<uintptr_t, uint64_t>>& words) {
+bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream) {
   py::gil_scoped_release no_gil;
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::microseconds(max_us);
@@ -69,13 +59,7 @@ bool spin_until_readable(int fd, int64_t max_us, uintptr_t warm_stream, const st
   p.events = POLLIN;
   do {
     p.revents = 0;
-    for (const auto& w : words) {
-      if (__atomic_load_n(reinterpret_cast<const uint64_t*>(w.first), __ATOMIC_ACQUIRE) == w.second) return true;
-    }
     if (::poll(&p, 1, 0) > 0) return true;
-    for (uintptr_t e : events) {
-      if (kvstrata::event_query(e)) return true;
-    }
     if (warm_stream != 0) {
       const auto now = std::chrono::steady_clock::now();
       if (now >= next_touch) {
@@ -150,10 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"));
   m.def("sm_count", &kvstrata::sm_count, py::arg("device"));
   m.def("spin_until_readable", &spin_until_readable,
-        "Poll fd without sleeping and without the GIL until readable or one of events (raw CUDA event "
-        "handles) complete or the 64-bit word at one of words' addresses holds its value (True), or max_us "
-        "passed (False); with warm_stream, query that CUDA stream every 50 us meanwhile",
-        py::arg("fd"), py::arg("max_us"), py::arg("warm_stream") = 0,
-        py::arg("events") = std::vector<uintptr_t>{},
-        py::arg("words") = std::vector<std::pair<uintptr_t, uint64_t>>{});
+        "Poll fd without sleeping and without the GIL until readable (True) or max_us passed (False); with "
+        "warm_stream, query that CUDA stream every 50 us meanwhile",
+        py::arg("fd"), py::arg("max_us"), py::arg("warm_stream") = 0);
 }
