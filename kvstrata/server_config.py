@@ -18,9 +18,10 @@ from typing import Any
 from kvstrata.core.server.config import Boolean, Choice, Declared, ServerConfig, build, check_value, declared, \
     group, setting
 
-CUDA_MODES = ("staged", "kernel", "torch")
-"""The modes of :data:`kvstrata.native.cuda_executor.MODES`, named here so that building the command line does not
-import torch (a test checks the two agree)."""
+CUDA_MODES = ("staged", "torch")
+"""The modes of :data:`kvstrata.native.cuda_executor.MODES` a server may be started with, named here so that building
+the command line does not import torch (a test checks they are the executor's). The executor's ``kernel`` mode is
+not one: it was slower on first-token time (docs/decisions.md) and stays a parameter of the GPU tests."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

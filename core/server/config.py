@@ -300,7 +300,7 @@ class ServerConfig:
     busy_poll_ms: float = setting(25.0, Number(0, metavar="MS"), "with a GPU cache registered, keep polling the "
                                   "socket without sleeping this long after each request, so the next one is taken at "
                                   "once "
-                                  "(about one core while it lasts; 0 = off)", default_text="25", benchmark=True)
+                                  "(about one core while it lasts; 0 = off)", default_text="25")
     allow_remote: bool = setting(False, Boolean(), "allow binding a non-loopback TCP address (CURVE-authenticated "
                                  "like any TCP), and serve metrics on every interface", default_text="off")
     curve_secret_key: str | None = setting(None, Text("FILE"), "the server's CURVE secret key file "
