@@ -5,7 +5,7 @@ Nodes are the core's subpackages (``core.wire``, ``core.engine``, ...), the core
 ``conformance_tests`` and ``kvstrata`` (the CLI). An edge A -> B means a module of A imports a module of B
 when it runs (at module level or inside a function; imports only for type annotations, under
 ``if TYPE_CHECKING:``, are not edges). ``docs/architecture.md`` embeds the output, and
-``tests/test_architecture.py`` checks that the two agree, that the core imports neither ``native`` nor an
+``tests/unit/test_architecture.py`` checks that the two agree, that the core imports neither ``native`` nor an
 adapter, that no two modules of the package import each other in a circle (:func:`module_graph`, module by
 module, adapters included) and that no product module imports test support (:func:`is_test_support`).
 """

@@ -1,8 +1,11 @@
 import os
+import sys
 import tempfile
 import uuid
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers and kvstrata_testing, for every tier
 
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.server_process import COUNT_FILE_VARIABLE, ServerProcess

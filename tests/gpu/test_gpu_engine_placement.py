@@ -43,7 +43,7 @@ def wait_released(side: WorkerRuntime, rid: str, timeout: float = 30.0) -> None:
 def transfer_threads_state(side: WorkerRuntime, rid: str) -> str:
     """What a load whose failure report never came was doing: its future and record, and where the queue's
     threads stand (session 9's run 7 lost the report once: the worker read the load's future twice, and the copy
-    stopped in between; ``tests/test_failures.py`` holds that interleaving on CPU)."""
+    stopped in between; ``tests/integration/test_failures.py`` holds that interleaving on CPU)."""
     import sys
     import threading
     import traceback

@@ -6,7 +6,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("import_graph", ROOT / "docs" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(import_graph)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_adapter"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "third_party_adapter"
 
 
 def test_third_party_adapter_is_discovered_and_passes_the_suite(tmp_path: Path) -> None:

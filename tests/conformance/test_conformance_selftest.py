@@ -41,7 +41,7 @@ def suite_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTRATA_ADAPTER", "KVSTRATA_CONFORMANCE_DRIVER")}
     env[ENV_VAR] = json.dumps(selection)
     # the broken adapters and the selection plugin are test support, outside the installed package
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     adapters = [a for spec in selection for a in ("--adapter", spec)]
     adapters += [a for name in BROKEN_RULES for a in ("--driver", driver_option(name))]
     proc = subprocess.run(
