@@ -3,8 +3,8 @@
 The offline ``sglang.Engine.shutdown`` stops its schedulers with SIGKILL (``kill_process_tree``, no
 ``ShutdownReq`` first), so nothing in a scheduler runs at its end: not SGLang's ``release_host_resources``, not
 an ``atexit`` hook, not the linker's or the HiCache backend's ``close``. The kvstrata server forgets a silent
-connection's instances, locks and rings when its lease runs out, but the segment files the scheduler created
-in /dev/shm (the registration area, its connections' rings, boards and mailboxes) stay until something
+connection's instances, locks and boards when its lease runs out, but the segment files the scheduler created
+in /dev/shm (the registration area, its connections' arrival boards) stay until something
 unlinks them.
 
 :func:`watch` starts, once per process, a small watcher outside the engine's process tree: it holds a pidfd
