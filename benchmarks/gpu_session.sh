@@ -3,7 +3,7 @@
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
 #   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft; default all]
-#   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab no_defer=--no-deferred-replies)
+#   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab poll_5="--busy-poll-ms 5")
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
 phases="${2:-tests,profile,transfer,ttft}"

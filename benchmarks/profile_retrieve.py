@@ -84,8 +84,7 @@ def install_tracing(path: str) -> None:
     wrap(server_mod.CacheServer, "store_kv", "store_in", "store_out")
     wrap(board.ArrivalBoard, "publish", None, "publish")
     wrap(planner, "run_transfer", "transfer_in", "all_enqueued")
-    wrap(transport.Server, "_settle", "settle_in", "settled")
-    answering = threading.local()  # set while a thread answers a transfer (its handler's thread or the poller)
+    answering = threading.local()  # set while a thread answers a transfer
 
     def answering_transfer(attr: str) -> None:
         orig = getattr(transport.Server, attr)
@@ -101,7 +100,6 @@ def install_tracing(path: str) -> None:
         setattr(transport.Server, attr, wrapper)
 
     answering_transfer("_run_blocking")
-    answering_transfer("_settle_ready")
     orig_send = transport.Server._send
 
     def send(self: Any, *a: Any) -> None:
@@ -198,24 +196,15 @@ def serve_traced(argv: list[str]) -> int:
 
 
 def trace_engine_side() -> dict[str, float]:
-    """Marks in this (engine) process: the request leaving (ring, socket), the reply thread waking, the future
-    resolving.
+    """Marks in this (engine) process: the request leaving, the reply thread waking, the future resolving.
 
     Each mark keeps its first time after ``clear()``, so a retrieve's own send
     and reply are what is seen.
     """
-    from kvstrata.core.wire import rings
     from kvstrata.core.wire import transport
 
     marks: dict[str, float] = {}
     send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
-    post = rings.SlotRing.post
-
-    def traced_post(self: Any, frame: bytes) -> bool:  # in this process, only the request ring is written
-        ok = post(self, frame)
-        marks.setdefault("engine_ring_posted", time.perf_counter())
-        return ok
-
     def traced_send(self: Any, frames: list[Any]) -> None:
         marks.setdefault("engine_send_in", time.perf_counter())
         send(self, frames)
@@ -231,7 +220,6 @@ def trace_engine_side() -> dict[str, float]:
             marks.setdefault("engine_resolve_in", time.perf_counter())
         resolve(self, frame)
 
-    rings.SlotRing.post = traced_post  # type: ignore[method-assign]
     transport.SharedSocket.send = traced_send  # type: ignore[method-assign]
     transport.SharedSocket.wait = traced_wait  # type: ignore[method-assign]
     transport.Client._resolve = traced_resolve  # type: ignore[method-assign]
