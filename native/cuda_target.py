@@ -64,9 +64,6 @@ class CudaIpcTarget:
             self.native_available = False
             config.mode = "torch"
             self.engine = CudaTransferEngine(layout, self._regions, pool, self.index, config)
-        # The extension's copies only go onto the streams (finish() waits); the torch fallback
-        # copies from pageable memory and may block in the call.
-        self.enqueues = self.engine.config.mode != "torch"
         with torch.cuda.device(self.index):
             self._event_stream = torch.cuda.Stream(self.index)
             self._slice_done = torch.cuda.Event()  # re-recorded per slice: a wait takes its latest record
@@ -75,7 +72,10 @@ class CudaIpcTarget:
         self._events: dict[bytes, torch.cuda.Event] = {}
         self._event_lists: dict[tuple[bytes, ...], list[torch.cuda.Event]] = {}
         self._events_lock = threading.Lock()
-        self._signals_on = self.enqueues and getattr(self.engine.ext, "signal_host", None) is not None
+        # the extension's copies only go onto the streams, so the GPU can store the end signals itself; the torch
+        # fallback copies from pageable memory, in the call
+        self._signals_on = (self.engine.config.mode != "torch"
+                            and getattr(self.engine.ext, "signal_host", None) is not None)
         self.signals = 0
         """Host words the GPU was asked to store at transfer ends (server_info's ``gpu_signals``)."""
         self._host_segments: dict[str, int] = {}
@@ -233,31 +233,18 @@ class CudaIpcTarget:
 class DeviceCompletion:
     """One transfer's end on the GPU: an event recorded after its copies on both streams.
 
-    The server's polling thread watches :attr:`handle` in its GIL-free spin and
-    answers the moment the copies end; :meth:`wait` blocks on this transfer's
-    event alone (not on what later transfers queued behind it) and raises a CUDA
-    error as a synchronize would. The event goes back to the target's pool once
-    seen complete.
+    :meth:`wait` blocks on this transfer's event alone (not on what later
+    transfers queued behind it) and raises a CUDA error as a synchronize would.
+    The event goes back to the target's pool once seen complete.
     """
 
-    __slots__ = ("handle", "signalled", "_target", "_event", "_query", "_seen")
+    __slots__ = ("signalled", "_target", "_event", "_seen")
 
     def __init__(self, target: CudaIpcTarget, event: torch.cuda.Event, signalled: bool = False) -> None:
         self._target = target
         self._event = event
-        self.handle = event.cuda_event
         self.signalled = signalled
-        ext = target.engine.ext
-        self._query = ext.event_query if ext is not None else (lambda _h: event.query())
         self._seen = False
-
-    def ready(self) -> bool:
-        if self._seen:
-            return True
-        if self._query(self.handle):
-            self._done()
-            return True
-        return False
 
     def wait(self) -> None:
         if not self._seen:

@@ -34,13 +34,8 @@ class HostSignal:
 class Completion(Protocol):
     """The end of one transfer's copies on a device (see :meth:`Target.completion`)."""
 
-    handle: int
-    """What the transport's busy-wait function can watch without the GIL (a raw CUDA event), or 0."""
     signalled: bool
     """Whether the device itself stores the signals asked of :meth:`Target.completion` once the copies end."""
-
-    def ready(self) -> bool:
-        """Without blocking: have the copies completed? (May say so late, never early.)"""
 
     def wait(self) -> None:
         """Block until they have; raise the device's error if they failed."""
@@ -49,11 +44,7 @@ class Completion(Protocol):
 class _Done:
     """The completion of copies that ran inside the executor's calls (CPU targets)."""
 
-    handle = 0
     signalled = False
-
-    def ready(self) -> bool:
-        return True
 
     def wait(self) -> None:
         return None
@@ -66,10 +57,6 @@ class Target(Protocol):
     layout: PagedKVLayout
     device: str
     native_available: bool
-    enqueues: bool
-    """Whether executor calls only enqueue copies (a device stream) and return at once. The server
-    keeps the socket's turn through such a transfer's first slice; a target that copies in the call
-    (the CPU) must not hold the socket that long."""
 
     def executor(self, objects: Sequence[StoredObject]) -> Executor:
         """An executor moving between these L1 objects (in the pool given at open) and the cache.
@@ -91,8 +78,8 @@ class Target(Protocol):
         """Block until every copy enqueued so far is complete."""
 
     def completion(self, signals: Sequence[HostSignal] = ()) -> "Completion":
-        """Mark everything enqueued so far, for the transfer that enqueued it: lets the server answer from
-        its polling thread the moment the device is done, instead of from a thread blocked in finish().
+        """Mark everything enqueued so far, for the transfer that enqueued it: its settle waits for this
+        transfer's copies alone, not for what later transfers queued behind them (as finish() would).
 
         ``signals``: 64-bit words in shared memory the device itself should store once the copies have
         ended (before the mark), so a process polling that memory learns of the end with no host thread
@@ -108,7 +95,6 @@ class ShmTarget:
 
     device = "cpu"
     native_available = True
-    enqueues = False
 
     def __init__(self, layout: PagedKVLayout, pool: torch.Tensor, pool_segment: Segment | None = None) -> None:
         """``pool_segment``: the server's own L1 pool, which no region may name (checked by file, not name)."""
