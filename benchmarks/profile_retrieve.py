@@ -304,9 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     sync()
                     open(trace, "w").close()
                     engine_marks.clear()
-                    done: list[float] = []
                     worker.submit_retrieve(rid, key, [dst], layers_per_slice=width)
-                    worker.future_of(rid).add_done_callback(lambda f: done.append(time.perf_counter()))
                     while rid not in worker.get_finished():
                         time.sleep(2e-5)
                     for layer in range(32):
@@ -329,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             cpu0 = e["cpu"] if cpu0 is None else cpu0
                             seen[key_name + "@cpu"] = (e["cpu"] - cpu0) * 1e3
                     seen["engine_released"] = (rec.released_at - t0) * 1e3
-                    seen["engine_reply"] = (done[0] - t0) * 1e3
+                    seen["engine_reply"] = (rec.transfer_ended_at - t0) * 1e3
                     seen["engine_settled"] = (rec.completed_at - t0) * 1e3
                     seen.update({k: (v - t0) * 1e3 for k, v in engine_marks.items()})
                     for k, v in seen.items():

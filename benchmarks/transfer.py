@@ -381,12 +381,9 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     if rnd == 0:
                         cache.poison(dst)
                     torch.cuda.synchronize()
-                    done: list[float] = []
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     ev[0].record(stream)
                     worker.submit_retrieve(rid, key, [dst], layers_per_slice=width, located=located)
-                    fut = worker.future_of(rid)
-                    fut.add_done_callback(lambda f: done.append(time.perf_counter()))
                     _spin_until_released(worker, rid)
                     for layer in range(cache.num_layers):
                         worker.wait_for_layer(layer)
@@ -394,7 +391,6 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                             ev[1].record(stream)
                     ev[2].record(stream)
                     spin_until_settled(worker, rid)
-                    fut.result()
                     worker.wait_all()
                     torch.cuda.synchronize()
                     rec = worker.records.pop(rid)
@@ -408,7 +404,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     runs[width].append({
                         "release_ms": (rec.released_at - rec.submitted_at) * 1e3,
                         "complete_ms": (rec.completed_at - rec.submitted_at) * 1e3,
-                        "reply_ms": (done[0] - rec.submitted_at) * 1e3,
+                        "reply_ms": (rec.transfer_ended_at - rec.submitted_at) * 1e3,
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),

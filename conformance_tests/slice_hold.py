@@ -5,8 +5,9 @@ A test that asserts an ordering ("released before its transfer completed",
 board said complete") must not depend on which thread wins a race: on a loaded
 2-core machine a small copy finishes before the engine's next poll. A hold
 makes the in-flight state last as long as the test needs: the copying side
-stops after a chosen number of slices (the planner's test-only slice hook) and
-goes on only when the test opens it, typically once it has seen the release.
+stops after a chosen number of slices (a slice observer, see
+:data:`kvstrata.core.transfer.planner.SliceObserver`) and goes on only when the test opens it, typically once
+it has seen the release.
 
 A hold is a private directory that the test and the copying process share, so
 the same hold works in this process (engine placement), in a ``kvstrata serve``
@@ -19,7 +20,9 @@ child (server placement) and in an engine's spawned processes:
 
 Ways to install it, none reachable from production code:
 
-* this process: ``with SliceHold(directory).installed(): ...``;
+* a transfer queue or server the test builds itself: pass ``slice_observer=hold.on_slice``;
+* whatever this process builds from now on, however deep inside an engine:
+  ``with SliceHold(directory).installed(): ...`` (see :func:`add_slice_observer`);
 * a server child: ``HeldServerProcess(slice_hold=hold)``, which runs
   ``python -m kvstrata.conformance_tests.slice_hold DIRECTORY serve ARGS...``;
 * an engine's processes: ``KVSTRATA_TEST_SLICE_HOLD=DIRECTORY`` plus a
@@ -43,9 +46,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kvstrata.core.engine.requests import request_of_lock_owner
+from kvstrata.core.transfer.planner import SliceObserver
 from kvstrata.server_process import ServerProcess
 
 log = logging.getLogger("kvstrata.testing.slice_hold")
@@ -72,8 +76,53 @@ def _file_name(request_id: str) -> str:
     return request_id.replace("/", "_").replace("\0", "_")
 
 
+_observers: list[SliceObserver] = []
+"""The observers :func:`add_slice_observer` gave this process, in the order added."""
+
+
+def _tell_observers(request_id: str, slices: int) -> None:
+    for observer in list(_observers):
+        observer(request_id, slices)
+
+
+def inject_slice_observers() -> None:
+    """Make every :class:`TransferQueue` and :class:`CacheServer` built from now on in this process take
+    :func:`_tell_observers` as its ``slice_observer`` where its builder passed none: the test's way into the
+    ones an engine builds deep inside itself. Their constructors are wrapped once and stay wrapped (with no
+    observer added, the call does nothing)."""
+    from kvstrata.core.engine.transfer_queue import TransferQueue
+    from kvstrata.core.server.cache_server import CacheServer
+
+    for cls in (TransferQueue, CacheServer):
+        if getattr(cls.__init__, "_kvstrata_injects_observers", False):
+            continue
+        original = cls.__init__
+
+        def init(self: Any, *args: Any, _original: Callable[..., None] = original,
+                 slice_observer: SliceObserver | None = None, **kwargs: Any) -> None:
+            _original(self, *args, slice_observer=slice_observer or _tell_observers, **kwargs)
+
+        init._kvstrata_injects_observers = True  # type: ignore[attr-defined]
+        init.__doc__ = original.__doc__
+        cls.__init__ = init  # type: ignore[method-assign]
+
+
+def add_slice_observer(observer: SliceObserver) -> None:
+    """Tell ``observer`` of the slices of every transfer queue and server this process builds from now on
+    (test-only; the order added is the order called)."""
+    inject_slice_observers()
+    if observer in _observers:
+        raise RuntimeError(f"slice observer {observer!r} is already added in this process")
+    _observers.append(observer)
+
+
+def remove_slice_observer(observer: SliceObserver) -> None:
+    if observer in _observers:
+        _observers.remove(observer)
+
+
 class SliceHold:
-    """The test's handle on a hold directory, and the slice hook that honours it."""
+    """The test's handle on a hold directory, and the slice observer that honours it."""
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         if directory is None:
@@ -141,17 +190,11 @@ class SliceHold:
     # --- the copying side --------------------------------------------------------------------
 
     def install(self) -> None:
-        from kvstrata.core.transfer import planner
-
-        if planner._slice_hook is not None:
-            raise RuntimeError("a slice hold is already installed in this process")
-        planner._slice_hook = self.on_slice
+        """Hold the transfers of every queue and server this process builds from now on (:func:`add_slice_observer`)."""
+        add_slice_observer(self.on_slice)
 
     def uninstall(self) -> None:
-        from kvstrata.core.transfer import planner
-
-        if planner._slice_hook == self.on_slice:
-            planner._slice_hook = None
+        remove_slice_observer(self.on_slice)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["SliceHold"]:
@@ -162,7 +205,8 @@ class SliceHold:
             self.uninstall()
 
     def on_slice(self, request_id: str, slices: int) -> None:
-        """The planner's slice hook: blocks while a rule holds ``request_id`` at ``slices``."""
+        """A :data:`~kvstrata.core.transfer.planner.SliceObserver`: blocks while a rule holds ``request_id`` at
+        ``slices``."""
         for rule in self._read_rules():
             if request_id.startswith(rule.prefix) and slices == rule.after_slices:
                 with self._lock:

@@ -14,15 +14,7 @@ from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RequestTimeout, RemoteError
 
 
-COUNT_FILE_VARIABLE = "KVSTRATA_TEST_SERVER_COUNT_FILE"
-"""If set, every start appends a line to this file: the test suite counts the servers it and its
-subprocesses started (tests/conftest.py prints the total when the run ends)."""
-
-
 class ServerProcess:
-    starts = 0
-    """Servers started by this process."""
-
     def __init__(self, *, l1_bytes: int = 256 << 20, chunk_size: int = 256, address: str | None = None,
                  log_level: str = "WARNING", extra_args: list[str] | None = None,
                  entry: Sequence[str] = ("kvstrata",), client_options: dict | None = None) -> None:
@@ -42,11 +34,6 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL)
-        ServerProcess.starts += 1
-        count_file = os.environ.get(COUNT_FILE_VARIABLE)
-        if count_file:
-            with open(count_file, "a") as f:
-                f.write(f"{os.getpid()} {self.proc.pid}\n")
         deadline = time.monotonic() + timeout
         client = CacheClient(self.address, timeout=1.0, **self.client_options)
         started = False

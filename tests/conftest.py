@@ -8,11 +8,22 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers and kvstrata_testing, for every tier
 
 from kvstrata.core.wire.client import CacheClient
-from kvstrata.server_process import COUNT_FILE_VARIABLE, ServerProcess
+from kvstrata.server_process import ServerProcess
+from kvstrata_testing import server_count
+from kvstrata_testing.server_count import COUNT_FILE_VARIABLE
 
 _count_dir = tempfile.mkdtemp(prefix="kvstrata-server-count-")
 os.environ.setdefault(COUNT_FILE_VARIABLE, os.path.join(_count_dir, "starts"))
 """Every ServerProcess started by this run or its subprocesses (the conformance self-test) appends a line."""
+
+
+def pytest_configure(config) -> None:
+    """Every transfer queue and server this process builds tells the slice observers a test adds (a hold, a
+    recorder), even one built before the test added its observer (a module's engine fixture)."""
+    from kvstrata.conformance_tests.slice_hold import inject_slice_observers
+
+    inject_slice_observers()
+    server_count.install()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -6,11 +6,14 @@ import contextlib
 import os
 import tempfile
 import weakref
+from concurrent.futures import Future
 from typing import Iterator
 
 import torch
 
 from kvstrata.core.wire.client import CacheClient
+from kvstrata.core.wire.protocol import RequestType
+from kvstrata.core.wire.transport import Client
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.engine.placement import Placement
@@ -49,8 +52,8 @@ def release_of(worker: Placement, request_id: str, timeout: float = 60.0) -> dic
     deadline = time.monotonic() + timeout
     while request_id not in seen:
         for r in worker.get_finished():
-            fut = worker.future_of(r)
-            seen[r] = {"future_done": fut.done() if fut is not None else True, "draining": r in worker.draining()}
+            draining = r in worker.draining()  # released and its transfer not ended
+            seen[r] = {"transfer_ended": not draining, "draining": draining}
         if request_id in seen:
             break
         if time.monotonic() > deadline:
@@ -119,3 +122,22 @@ def control_segment_of_unknown_kind(slots: int = 4, slot_bytes: int = 128) -> "S
     words[0] = CONTROL_MAGIC
     del words
     return seg
+
+
+# --- probing the server's own checks: what a client that skips its validation sends --------------------------
+
+
+def submit_unchecked(transport: Client, request_type: RequestType | int, payload: object) -> Future:
+    """Send a request of any type with any payload, without the client's validation, and return the future for
+    its reply: how the tests reach the server's checks with what a well-behaved client would refuse to send."""
+    fut: Future = Future()
+    transport._send_request(request_type, payload, fut)
+    return fut
+
+
+def send_raw(transport: Client, frame: bytes) -> None:
+    """Send ``frame`` as it is, on ``transport``'s socket (a reply matching none of its futures is dropped)."""
+    with transport._send_lock:
+        transport._check_open()
+        transport._sock.send([frame])
+    transport._resolve_inbox()

@@ -36,6 +36,7 @@ from kvstrata.core.shm import Segment
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PagedKVLayout
+from kvstrata.core.transfer.planner import SliceObserver
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 
@@ -54,7 +55,8 @@ class EnginePlacement(Placement):
                  setup_timeout: float | None = None,
                  pool_writable: bool = False,
                  handover_slices: int = HANDOVER_SLICES,
-                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
+                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES,
+                 slice_observer: SliceObserver | None = None) -> None:
         """``local_regions``: the engine cache this process writes (and reads, to store).
         ``registration_layout``: what the server is told instead of the cache; with ``own_registration_area``
         this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
@@ -64,7 +66,8 @@ class EnginePlacement(Placement):
         slices the engine waits on before the transfer queue enqueues more
         (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`); ``enqueue_ahead_bytes``, how far it
         enqueues ahead of the copies that landed (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`;
-        None: every slice at once, the A/B arm)."""
+        None: every slice at once, the A/B arm). ``slice_observer``: told of each load's slices as the queue
+        enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         if local_regions is None:
             raise ValueError("engine placement needs local_regions: the engine cache this process writes")
         if own_registration_area and registration_layout is not None:
@@ -89,7 +92,8 @@ class EnginePlacement(Placement):
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
-                                    handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes)
+                                    handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes,
+                                    slice_observer=slice_observer)
         self._on_missing_layer = self._queue.hurry
 
     # --- registration ----------------------------------------------------------------

@@ -22,9 +22,9 @@ first slice has landed, the per-layer wait, settling, and the failure reports.
 * :meth:`Placement.store` stores a computed prompt (:meth:`Placement.reserve_store` ahead of it, where the
   placement can).
 
-Whether a layer-major load runs chunk-major instead is decided once, at construction, from the cache the
-placement registers (:attr:`Placement.layer_major_fallback`); what the load finds at its start (server
-placement: no free arrival slot) or the server says in its reply is recorded with the load.
+Whether a layer-major load runs chunk-major instead is decided once, from the cache the placement registers
+and the server's REGISTER reply (:attr:`Placement.layer_major_fallback`); what the load finds at its start
+(server placement: no free arrival slot) is recorded with the load.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class RetrieveRecord:
     submitted_at: float
     released_at: float | None = None
     completed_at: float | None = None
+    """When this process settled the load (saw it complete)."""
+    transfer_ended_at: float | None = None
+    """When the load's transfer ended, successfully or not: the server's reply (server placement), the last
+    slice landed and checked (engine placement); before :attr:`completed_at`, which waits for a poll."""
     released_before_complete: bool | None = None
     layer_waits: int = 0
     failure: str | None = None
@@ -164,8 +168,9 @@ class Placement(ABC):
         self.layer_wait_timeout = layer_wait_timeout
         self.retrieve_timeout = retrieve_timeout
         self.layer_major_fallback = planner.layer_major_fallback_reason(layout)
-        """Why this cache's layer-major loads run chunk-major (None: they need not), decided once: it depends
-        only on the registered cache (several KV groups)."""
+        """Why this cache's layer-major loads run chunk-major (None: they need not), decided once: from the
+        cache (several KV groups) at construction, or from the server's REGISTER reply (server placement: its
+        target cannot copy by layer)."""
         self.chunk_size: int | None = None
         self._inflight: dict[str, InFlight] = {}
         self._failed: dict[str, tuple[list[list[int]], str]] = {}
@@ -193,6 +198,10 @@ class Placement(ABC):
         self._before_register()
         reply = self.client.register_kv_cache(self.instance_id, self.registration_layout, self.name)
         self.chunk_size = int(reply["chunk_size"])
+        if self.layer_major_fallback is None and reply.get("layer_major_fallback"):
+            self.layer_major_fallback = str(reply["layer_major_fallback"])  # what the server's copies cannot do
+        if self.layer_major_fallback is not None:
+            planner.log_fallback_once(self.layer_major_fallback)
         self._registered(reply)
         log.info("registered %s cache as instance %d with %s (%s placement, chunk %d)", self.layout.format,
                  self.instance_id, self.client.address, self.name, self.chunk_size)
@@ -221,9 +230,9 @@ class Placement(ABC):
         gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
         width = layers_per_slice
         if width > 0 and self.layer_major_fallback is not None:
-            planner.log_fallback_once(self.layer_major_fallback)
             record.fallback, width = self.layer_major_fallback, 0
         inflight = self._start(request_id, key, blocks, skip_first_n_tokens, width, gate, record, located)
+        inflight.future.add_done_callback(lambda _, r=record: setattr(r, "transfer_ended_at", time.perf_counter()))
         if running:
             gate.mark_released()
             record.released_at, record.released_before_complete = record.submitted_at, True
@@ -438,11 +447,6 @@ class Placement(ABC):
     def in_flight(self) -> set[str]:
         with self._lock:
             return set(self._inflight)
-
-    def future_of(self, request_id: str) -> Future | None:
-        with self._lock:
-            inf = self._inflight.get(request_id)
-            return inf.future if inf else None
 
     def take_registration_lost(self) -> bool:
         """Whether a retrieve was refused for an unknown instance (the server restarted) since the last call."""

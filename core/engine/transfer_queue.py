@@ -136,19 +136,22 @@ class TransferQueue:
                  retrieve_timeout: float, landed: Callable[[Any], bool],
                  generations_for: Callable[[dict[str, Any]], Any],
                  handover_slices: int = HANDOVER_SLICES,
-                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES) -> None:
+                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES,
+                 slice_observer: planner.SliceObserver | None = None) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool); ``generations_for(pool)``: that pool's generation table, mapped
         read-only. ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
         what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against). ``enqueue_ahead_bytes``: see
-        :data:`ENQUEUE_AHEAD_BYTES`; None enqueues every slice at once (``ttft.py``'s ``-ahead0`` arms)."""
+        :data:`ENQUEUE_AHEAD_BYTES`; None enqueues every slice at once (``ttft.py``'s ``-ahead0`` arms).
+        ``slice_observer``: told of each load's slices as they are enqueued (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         if handover_slices < 1:
             raise ValueError(f"handover_slices must be at least 1, got {handover_slices}")
         self.handover_slices = handover_slices
         if enqueue_ahead_bytes is not None and enqueue_ahead_bytes <= 0:
             raise ValueError(f"enqueue_ahead_bytes must be positive or None, got {enqueue_ahead_bytes}")
         self.enqueue_ahead_bytes = enqueue_ahead_bytes
+        self._slice_observer = slice_observer
         self._queued_ahead: deque[tuple[Any, int]] = deque()
         """(completion, bytes) of the slices enqueued and not yet seen landed, oldest first (enqueue thread only)."""
         self._queued_ahead_bytes = 0
@@ -252,7 +255,8 @@ class TransferQueue:
         try:
             if load.gate.failure:  # the engine gave up on this load: write no further slice
                 raise TransferAborted(load.gate.failure)
-            planner.enqueue_slice(load.executor, load.job, load.layers_per_slice, load.next_slice, load.request_id)
+            planner.enqueue_slice(load.executor, load.job, load.layers_per_slice, load.next_slice, load.request_id,
+                                  self._slice_observer)
             completion = load.copier.mark_slice(load.executor)
             if load.next_slice == 0:
                 load.record.first_slice_at = time.perf_counter()
@@ -267,7 +271,7 @@ class TransferQueue:
                 self._queued_ahead.append((completion, nbytes))
                 self._queued_ahead_bytes += nbytes
             load.gate.record_slice(start, count, completion)
-            planner.slice_published(load.request_id, load.next_slice - 1)
+            planner.slice_published(load.request_id, load.next_slice - 1, self._slice_observer)
         except BaseException as exc:  # noqa: BLE001
             self._stop(load, exc)
 

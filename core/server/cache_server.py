@@ -10,7 +10,6 @@ instead of waiting out its timeout.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import threading
@@ -67,6 +66,9 @@ class _Instance:
     """STOREs and RETRIEVEs using its target now: it is closed only once they have ended."""
     retired: bool = False
     """Unregistered or replaced: its target closes when the last transfer using it ends."""
+    layer_major_fallback: str | None = None
+    """Why this server-placement instance's layer-major retrieves run chunk-major (None: they need not),
+    decided once at registration from its layout and target, and told to the engine in the reply."""
 
 
 class RequestError(ValueError):
@@ -120,13 +122,17 @@ class _RetrievePlan:
 
 
 class CacheServer:
-    def __init__(self, config: ServerConfig, target_openers: Mapping[str, TargetOpener] | None = None) -> None:
+    def __init__(self, config: ServerConfig, target_openers: Mapping[str, TargetOpener] | None = None, *,
+                 slice_observer: planner.SliceObserver | None = None) -> None:
         """``target_openers``: region kinds beyond shared memory this server can write into, by kind
-        (``kvstrata serve`` passes :func:`kvstrata.native.target_openers`: CUDA IPC)."""
+        (``kvstrata serve`` passes :func:`kvstrata.native.target_openers`: CUDA IPC). ``slice_observer``: told
+        of each server-placement transfer's slices as they are enqueued
+        (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         config.check()
         self.config = config
         self.limits = config.limits
         self.target_openers = dict(target_openers or {})
+        self._slice_observer = slice_observer
         sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
         self._instances: dict[int, _Instance] = {}
@@ -257,7 +263,10 @@ class CacheServer:
             if conn.ended:
                 target.close()
                 raise RequestError("this connection's lease ended while it registered; register again")
-            self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller, conn)
+            fallback = (planner.layer_major_fallback_reason(layout, native_available=target.native_available)
+                        if placement == PLACEMENT_SERVER else None)
+            self._instances[instance_id] = _Instance(instance_id, layout, placement, target, caller, conn,
+                                                     layer_major_fallback=fallback)
             conn.instances.add(instance_id)
         if old is not None:
             self._retire(old)
@@ -272,8 +281,10 @@ class CacheServer:
         log.info("registered instance %d: %s cache, %d layers x %d blocks x %d tokens, %s placement on %s",
                  instance_id, layout.format, layout.num_layers, layout.num_blocks, layout.block_size,
                  placement, target.device)
+        if fallback is not None:
+            log.warning("instance %d's layer-major retrieves will run chunk-major: %s", instance_id, fallback)
         return {"instance_id": instance_id, "chunk_size": self.config.chunk_size, "device": target.device,
-                "pool": self._pool_ref()}
+                "pool": self._pool_ref(), "layer_major_fallback": fallback}
 
     def _may_replace(self, held: _Instance, caller: bytes | None) -> bool:
         """A registration may be replaced by the connection that made it, or once that connection is gone
@@ -692,9 +703,8 @@ class CacheServer:
         if width > 0:
             if board is None:
                 raise RequestError("layers_per_slice > 0 needs an arrival board reference")
-            fallback = planner.layer_major_fallback_reason(layout, native_available=inst.target.native_available)
+            fallback = inst.layer_major_fallback  # an engine that ignored the REGISTER reply's
             if fallback is not None:
-                planner.log_fallback_once(fallback)
                 width = 0
         return _RetrievePlan(objects, job, events, end_events, width, fallback)
 
@@ -717,7 +727,7 @@ class CacheServer:
         started = time.perf_counter()
         executor = target.executor(objects)
         try:
-            planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id)
+            planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id, self._slice_observer)
         finally:
             executor.close()
         if plan.end_events is not None:

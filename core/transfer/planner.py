@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 
 OnLayerBatch = Callable[[int, int], None]
 
-SliceHook = Callable[[str, int], None]
-_slice_hook: SliceHook | None = None
-"""Test-only: ``kvstrata.conformance_tests.slice_hold`` installs it to hold a transfer at a chosen slice, so a
-test can observe an in-flight state by construction instead of racing the copy. Called with (request id,
-slices published so far) before the first slice and after each one. Production never sets it."""
+SliceObserver = Callable[[str, int], None]
+"""Called with (the transfer's name, slices published so far) before a transfer's first slice and after each
+one, on the thread that enqueues the slices. Whoever runs the transfer (the engine placement's queue, the
+server) takes one at construction; none by default. An observer that raises fails the transfer, like a failed
+copy: the engine is told and recomputes. The test suites inject one to hold a transfer at a chosen slice, so an
+in-flight state is observed by construction instead of by racing the copy."""
 
 
 class ChunkCopy(NamedTuple):
@@ -125,16 +126,15 @@ def layer_slices(num_layers: int, layers_per_slice: int) -> list[tuple[int, int]
 
 
 def enqueue_slice(executor: Executor, job: TransferJob, layers_per_slice: int, index: int,
-                  request_id: str = "") -> None:
+                  request_id: str = "", observer: SliceObserver | None = None) -> None:
     """Hand the executor slice ``index`` of ``layer_slices(num_layers, layers_per_slice)``.
 
     For callers that interleave the slices of several transfers (the engine placement's queue); the caller
     records the slice's completion and then calls :func:`slice_published`. ``layers_per_slice == 0`` is the
     chunk-major path: one all-layer launch.
     """
-    hook = _slice_hook
-    if index == 0 and hook is not None:
-        hook(request_id, 0)
+    if index == 0 and observer is not None:
+        observer(request_id, 0)
     if layers_per_slice <= 0:
         executor.scatter(job, 0, 0)
     else:
@@ -142,24 +142,23 @@ def enqueue_slice(executor: Executor, job: TransferJob, layers_per_slice: int, i
         executor.scatter(job, start, min(layers_per_slice, job.layout.num_layers - start))
 
 
-def slice_published(request_id: str, index: int) -> None:
-    """Slice ``index`` was enqueued and its completion recorded (the test-only hold point, see ``_slice_hook``)."""
-    hook = _slice_hook
-    if hook is not None:
-        hook(request_id, index + 1)
+def slice_published(request_id: str, index: int, observer: SliceObserver | None = None) -> None:
+    """Slice ``index`` was enqueued and its completion recorded: tell ``observer``."""
+    if observer is not None:
+        observer(request_id, index + 1)
 
 
 def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None,
-                    request_id: str = "") -> None:
+                    request_id: str = "", observer: SliceObserver | None = None) -> None:
     """The default path: one all-layer launch. ``on_layer_batch`` sees one batch of every layer."""
-    enqueue_slice(executor, job, 0, 0, request_id)
+    enqueue_slice(executor, job, 0, 0, request_id, observer)
     if on_layer_batch is not None:
         on_layer_batch(0, job.layout.num_layers)
-    slice_published(request_id, 0)
+    slice_published(request_id, 0, observer)
 
 
 def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
-                    on_layer_batch: OnLayerBatch, request_id: str = "") -> None:
+                    on_layer_batch: OnLayerBatch, request_id: str = "", observer: SliceObserver | None = None) -> None:
     """Issue one executor call per layer slice, calling back after each.
 
     Deliberately narrower than chunk-major: one KV group only (the caller falls
@@ -168,18 +167,20 @@ def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
     if layers_per_slice <= 0:
         raise ValueError("run_layer_major needs layers_per_slice > 0; 0 is the chunk-major path")
     for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_slice)):
-        enqueue_slice(executor, job, layers_per_slice, index, request_id)
+        enqueue_slice(executor, job, layers_per_slice, index, request_id, observer)
         on_layer_batch(start, count)
-        slice_published(request_id, index)
+        slice_published(request_id, index, observer)
 
 
 def run_transfer(executor: Executor, job: TransferJob, layers_per_slice: int,
-                 on_layer_batch: OnLayerBatch | None = None, request_id: str = "") -> None:
-    """``request_id`` names the transfer to the test-only slice hook (see ``_slice_hook``); nothing else reads it."""
+                 on_layer_batch: OnLayerBatch | None = None, request_id: str = "",
+                 observer: SliceObserver | None = None) -> None:
+    """Layer-major when ``layers_per_slice > 0``, else chunk-major. ``request_id`` names the transfer to
+    ``observer`` (see :data:`SliceObserver`); nothing else reads it."""
     if layers_per_slice > 0:
-        run_layer_major(executor, job, layers_per_slice, on_layer_batch or (lambda s, c: None), request_id)
+        run_layer_major(executor, job, layers_per_slice, on_layer_batch or (lambda s, c: None), request_id, observer)
     else:
-        run_chunk_major(executor, job, on_layer_batch, request_id)
+        run_chunk_major(executor, job, on_layer_batch, request_id, observer)
 
 
 def layer_major_fallback_reason(layout: PagedKVLayout, *, sliceable: bool = True,

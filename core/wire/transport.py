@@ -609,12 +609,6 @@ class Client:
         self._send_request(request_type, payload, fut)
         return fut
 
-    def submit_unchecked(self, request_type: RequestType | int, payload: Any) -> Future:
-        """Send without local validation (tests use this to probe the server's checks)."""
-        fut: Future = Future()
-        self._send_request(request_type, payload, fut)
-        return fut
-
     def _send_request(self, request_type: RequestType | int, payload: Any, fut: Future | None) -> None:
         with self._send_lock:
             self._check_open()
@@ -636,13 +630,6 @@ class Client:
         payload = list(payload)
         DECLARATIONS[request_type].validate(payload)
         self._send_request(request_type, payload, None)
-
-    def send_raw(self, frame: bytes) -> None:
-        """Send an arbitrary frame (for robustness tests); any reply is dropped unless it matches a future."""
-        with self._send_lock:
-            self._check_open()
-            self._sock.send([frame])
-        self._resolve_inbox()  # replies this send drained are ours to resolve (see SharedSocket)
 
     def _check_open(self) -> None:
         if self._closed:

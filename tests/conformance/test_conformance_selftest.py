@@ -46,7 +46,8 @@ def suite_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     adapters += [a for name in BROKEN_RULES for a in ("--driver", driver_option(name))]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "kvstrata.conformance_tests", *adapters,
-         "-p", "kvstrata_testing.conformance_selftest.selection", "-p", "no:cacheprovider", "-q",
+         "-p", "kvstrata_testing.conformance_selftest.selection", "-p", "kvstrata_testing.server_count",
+         "-p", "no:cacheprovider", "-q",
          f"--junitxml={report}"],
         capture_output=True, text=True, timeout=TIMEOUT, env=env, stdin=subprocess.DEVNULL, cwd=cwd)
     out = proc.stdout + proc.stderr

@@ -43,9 +43,8 @@ def release_then_read(worker, request_id: str, read_layer, num_layers: int, time
     state = None
     while state is None:
         if request_id in worker.get_finished():
-            fut = worker.future_of(request_id)
-            state = {"future_done": fut.done() if fut is not None else True,
-                     "draining": request_id in worker.draining()}
+            draining = request_id in worker.draining()  # released and its transfer not ended
+            state = {"transfer_ended": not draining, "draining": draining}
         elif time.monotonic() > deadline:
             raise TimeoutError(f"{request_id} was never released")
         else:

@@ -41,18 +41,18 @@ def wait_released(side: WorkerRuntime, rid: str, timeout: float = 30.0) -> None:
 
 
 def transfer_threads_state(side: WorkerRuntime, rid: str) -> str:
-    """What a load whose failure report never came was doing: its future and record, and where the queue's
-    threads stand (session 9's run 7 lost the report once: the worker read the load's future twice, and the copy
+    """What a load whose failure report never came was doing: whether it is in flight, its record, and where the
+    queue's threads stand (a report was once lost when the placement read the load's future twice and the copy
     stopped in between; ``tests/integration/test_failures.py`` holds that interleaving on CPU)."""
     import sys
     import threading
     import traceback
 
-    fut = side.transfers.future_of(rid)
     frames = sys._current_frames()
     stacks = [f"--- {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))
               for t in threading.enumerate() if t.name.startswith("kvstrata-transfer") and t.ident in frames]
-    return (f"future {fut!r} done={fut.done() if fut else None}; record {side.transfers.records.get(rid)}\n"
+    return (f"in flight {rid in side.transfers.in_flight()}, draining {rid in side.transfers.draining()}; "
+            f"record {side.transfers.records.get(rid)}\n"
             + "\n".join(stacks))
 
 

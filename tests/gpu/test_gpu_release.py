@@ -74,7 +74,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
                 cache.num_layers)
             rec = worker.records["big"]
             assert rec.failure is None and rec.fallback is None, rec
-            assert state["draining"] and not state["future_done"], \
+            assert state["draining"] and not state["transfer_ended"], \
                 f"released only after the transfer finished: {state}"
             assert rec.released_before_complete
             assert [bool(ok) for ok in reads] == [True] * cache.num_layers

@@ -24,12 +24,11 @@ from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.server_process import ServerProcess
-from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
 
-from helpers import SMALL_32, random_prompt
+from helpers import SMALL_32, random_prompt, submit_unchecked
 
 TOKENS = 256
 """A prompt: 1 MiB of SMALL_32's KV, so the 4 MiB pool holds four."""
@@ -125,7 +124,7 @@ def test_another_connection_can_neither_free_nor_use_an_engines_lookup_locks(ser
         answers = {
             "FREE_LOOKUP_LOCKS": answer(lambda: attacker.free_lookup_locks(held.request_id)),
             "END_SESSION": answer(lambda: attacker.transport.wait(
-                attacker.transport.submit_unchecked(7, [held.request_id]))),
+                submit_unchecked(attacker.transport, 7, [held.request_id]))),
             "RETRIEVE, unknown instance": answer(lambda: attacker.retrieve(held, 999, [[0]])),
             "RETRIEVE into the victim's instance": answer(lambda: attacker.retrieve(held, victim.instance, [[0]])),
             "LOOKUP under the victim's owner": answer(lambda: attacker.lookup(held)),

@@ -146,7 +146,7 @@ def test_server_side_failure_marks_the_board_failed_and_releases(client):
 
 class _ResolvedRightAfterTheFirstLook(Future):
     """A load's future that the transfer queue's settle thread resolves (failed) right after the engine's thread
-    first looked at it: the interleaving session 9's GPU run 7 hit once, held here instead of raced for."""
+    first looked at it: an interleaving a GPU run once hit, held here instead of raced for."""
 
     def __init__(self, exc: BaseException) -> None:
         super().__init__()

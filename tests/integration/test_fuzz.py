@@ -30,7 +30,7 @@ from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire.transport import RemoteError, RequestTimeout
 
-from helpers import SMALL_32, control_segment_of_unknown_kind, random_prompt
+from helpers import SMALL_32, control_segment_of_unknown_kind, random_prompt, send_raw, submit_unchecked
 
 SEED = 20261201
 TOKENS = 128
@@ -73,7 +73,7 @@ class Fuzz:
         """One request; its outcome counted by kind (an error's message with numbers and names taken out)."""
         self.counts["requests sent"] += 1
         try:
-            self.attacker.transport.wait(self.attacker.transport.submit_unchecked(rt, payload), timeout=30.0)
+            self.attacker.transport.wait(submit_unchecked(self.attacker.transport, rt, payload), timeout=30.0)
             self.counts["accepted"] += 1
         except RemoteError as exc:
             self.counts["error: " + error_kind(str(exc))] += 1
@@ -108,7 +108,7 @@ class Fuzz:
                 for _ in range(self.rng.randrange(1, 8)):
                     frame[self.rng.randrange(len(frame))] = self.rng.getrandbits(8)
                 frame = bytes(frame)
-            self.attacker.transport.send_raw(frame)
+            send_raw(self.attacker.transport, frame)
             self.counts["frames sent"] += 1
 
     def random_payloads(self, rounds: int) -> None:

@@ -72,7 +72,7 @@ def test_request_is_released_while_its_transfer_is_still_in_flight(placement, tm
             worker.submit_retrieve("big", key, [dst], layers_per_slice=1)
             hold.wait_held("big")
             at_release = release_of(worker, "big")
-            assert at_release == {"future_done": False, "draining": True}
+            assert at_release == {"transfer_ended": False, "draining": True}
             assert engine.mismatched_layers(prompt, dst, 0, tokens, layers=[0, 1]) == [1]  # only slice 1 is there
             worker.wait_for_layer(0)  # the engine reads layer 0 while the rest is held back
             hold.open("big")
@@ -102,7 +102,8 @@ def test_hybrid_layout_falls_back_to_chunk_major_on_both_sides_and_logs_once(cli
     board = ArrivalBoard.create(1)
     worker = ServerPlacement(client, 0, hybrid)
     try:
-        worker.register()
+        registered = worker.register()
+        assert "hybrid" in registered["layer_major_fallback"]  # the server decided at registration, and said so
         prompt = random_prompt(tokens, seed=6)
         blocks = engine.allocate(tokens)
         engine.prefill(prompt, blocks)
@@ -148,12 +149,12 @@ def test_a_layer_major_retrieve_settles_on_the_board_before_its_reply_arrives():
             key, dst = lookup_into_fresh_blocks(client, engine, "held", prompt)
             proxy.hold_replies("held")
             worker.submit_retrieve("held", key, [dst], layers_per_slice=4)
-            reply = worker.future_of("held")
+            with worker._lock:  # the transfer's future, which outlives the placement's interest in it
+                reply = worker._inflight["held"].future
             assert proxy.wait_for(lambda: proxy.reply_held("held"), 20), "the server never answered"
             release_of(worker, "held")
             assert worker.finish_request("held") is None, "not settled although the board said complete"
-            future = worker.future_of("held")
-            assert future is None  # settled and handed back: nothing of it is in flight
+            assert "held" not in worker.in_flight()  # settled and handed back: nothing of it is in flight
             rec = worker.records["held"]
             assert rec.completed_at is not None and rec.failure is None
             assert worker.pool.in_use() == 0, "the slot was not freed on the board's completion"

@@ -25,8 +25,7 @@ from kvstrata.core.engine.requests import lock_owner, request_of_lock_owner
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
-from kvstrata.core.transfer import planner
-from kvstrata.core.wire.client import CacheClient
+from kvstrata.conformance_tests.slice_hold import add_slice_observer, remove_slice_observer
 
 from helpers import scheduler_lookup
 
@@ -98,7 +97,7 @@ def test_an_engine_ending_its_request_leaves_the_locks_of_another_engines_reques
 @contextlib.contextmanager
 def first_load_fails() -> Iterator[list[str]]:
     """Make the first transfer this process copies fail before its first slice (engine placement: the copies run
-    here), through the planner's test-only slice hook. Yields the names (lock owners) of the transfers failed."""
+    here), through a slice observer the test adds to every transfer queue this process builds. Yields the names (lock owners) of the transfers failed."""
     failed: list[str] = []
 
     def hook(name: str, slices: int) -> None:
@@ -106,12 +105,11 @@ def first_load_fails() -> Iterator[list[str]]:
             failed.append(name)
             raise RuntimeError(f"test: load {name} fails on purpose")
 
-    assert planner._slice_hook is None
-    planner._slice_hook = hook
+    add_slice_observer(hook)
     try:
         yield failed
     finally:
-        planner._slice_hook = None
+        remove_slice_observer(hook)
 
 
 class Engine:

@@ -5,11 +5,12 @@ import random
 import socket
 
 import pytest
-import zmq
 
 from kvstrata.core.wire.protocol import DECLARATIONS, RequestType
 from kvstrata.server_process import ServerProcess
 from kvstrata.core.wire.transport import Client, RemoteError
+
+from helpers import send_raw, submit_unchecked
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_short_long_and_mistyped_payloads_get_error_replies(server, rt):
             cases["wrong types"] = _wrong_types(good)
         for label, payload in cases.items():
             with pytest.raises(RemoteError) as info:
-                c.wait(c.submit_unchecked(rt, payload))
+                c.wait(submit_unchecked(c, rt, payload))
             assert rt.name in str(info.value), (label, str(info.value))
             assert c.call(RequestType.PING) == "pong", label
     finally:
@@ -68,12 +69,12 @@ def test_garbage_frames_and_random_bytes_do_not_take_the_server_down(server):
     try:
         # valid ZMQ framing, garbage contents
         for n in (0, 1, 7, 64, 4096):
-            c.send_raw(bytes(rng.getrandbits(8) for _ in range(n)))
-        c.send_raw(b"\x94\x01\x05\x05\x90")  # [1, 5, RETRIEVE, []]: a short RETRIEVE with a valid header
+            send_raw(c, bytes(rng.getrandbits(8) for _ in range(n)))
+        send_raw(c, b"\x94\x01\x05\x05\x90")  # [1, 5, RETRIEVE, []]: a short RETRIEVE with a valid header
         assert c.call(RequestType.PING) == "pong"
         # a payload that is not a list
         with pytest.raises(RemoteError, match="LOOKUP"):
-            c.wait(c.submit_unchecked(RequestType.LOOKUP, {"not": "a list"}))
+            c.wait(submit_unchecked(c, RequestType.LOOKUP, {"not": "a list"}))
         assert c.call(RequestType.PING) == "pong"
     finally:
         c.close()

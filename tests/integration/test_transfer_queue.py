@@ -10,7 +10,6 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.transfer_queue import QueuedLoad, slice_order
 from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.conformance_tests.slice_hold import SliceHold
-from kvstrata.core.transfer import planner
 
 from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
 
@@ -57,38 +56,32 @@ def test_concurrent_loads_reach_the_copier_one_after_another(client, tmp_path):
     hold = SliceHold(tmp_path / "hold")
     hold.hold("first", after_slices=0)
     engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
-    worker = EnginePlacement(client, 11, engine.layout, local_regions=engine.regions)
     enqueued: list[str] = []
+
+    def record_then_hold(request_id: str, published: int) -> None:
+        if published > 0:
+            enqueued.append(request_id)
+        hold.on_slice(request_id, published)
+
+    worker = EnginePlacement(client, 11, engine.layout, local_regions=engine.regions, slice_observer=record_then_hold)
     try:
-        with hold.installed():
-            held_hook = planner._slice_hook
-
-            def recording_hook(request_id: str, published: int) -> None:
-                if published > 0:
-                    enqueued.append(request_id)
-                held_hook(request_id, published)
-
-            planner._slice_hook = recording_hook  # test-only hook: record, then let the hold decide
-            try:
-                worker.register()
-                prompt = random_prompt(tokens, seed=21)
-                store_prompt(client, engine, prompt, instance_id=11)
-                dsts = {}
-                for rid in ("first", "a", "b"):
-                    key, dsts[rid] = lookup_into_fresh_blocks(client, engine, rid, prompt)
-                    worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width)
-                    if rid == "first":
-                        hold.wait_held("first")
-                hold.open("first")
-                released: set[str] = set()
-                deadline = time.monotonic() + 60  # only catches a hang
-                while len(released) < 3 and time.monotonic() < deadline:
-                    released.update(worker.get_finished())
-                    time.sleep(0.001)
-                assert released == {"first", "a", "b"}
-                read_every_layer(worker, SMALL_32.num_layers)
-            finally:
-                planner._slice_hook = held_hook  # so the hold uninstalls its own
+        worker.register()
+        prompt = random_prompt(tokens, seed=21)
+        store_prompt(client, engine, prompt, instance_id=11)
+        dsts = {}
+        for rid in ("first", "a", "b"):
+            key, dsts[rid] = lookup_into_fresh_blocks(client, engine, rid, prompt)
+            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width)
+            if rid == "first":
+                hold.wait_held("first")
+        hold.open("first")
+        released: set[str] = set()
+        deadline = time.monotonic() + 60  # only catches a hang
+        while len(released) < 3 and time.monotonic() < deadline:
+            released.update(worker.get_finished())
+            time.sleep(0.001)
+        assert released == {"first", "a", "b"}
+        read_every_layer(worker, SMALL_32.num_layers)
         assert enqueued[:4] == ["first"] * 4
         assert enqueued[4:] == ["a"] * 4 + ["b"] * 4
         for rid, dst in dsts.items():
@@ -159,11 +152,10 @@ def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_laye
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
     slice_bytes = engine.layout.kv_size * tokens * engine.layout.token_bytes_per_layer
     backend = _GatedBackend()
+    published: list[int] = []  # slices enqueued so far, as the queue tells its observer
     worker = EnginePlacement(client, 13, engine.layout, local_regions=engine.regions,
-                             event_backend=backend, enqueue_ahead_bytes=3 * slice_bytes)
-    published: list[int] = []
-    previous_hook = planner._slice_hook
-    planner._slice_hook = lambda request_id, n: published.append(n)  # test-only hook: slices enqueued so far
+                             event_backend=backend, enqueue_ahead_bytes=3 * slice_bytes,
+                             slice_observer=lambda request_id, n: published.append(n))
     try:
         worker.register()
         prompt = random_prompt(tokens, seed=22)
@@ -185,7 +177,7 @@ def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_laye
         second, asked = backend.completions[1], len(backend.asked_about)
         backend.wait_asked_about(second, asked)
         assert len(backend.completions) == 4
-        assert release_of(worker, "ahead")["future_done"] is False
+        assert release_of(worker, "ahead")["transfer_ended"] is False
         worker.wait_for_layer(0)
         worker.wait_for_layer(20)  # not enqueued yet: the layer wait hurries the queue and returns once it is
         assert len(backend.completions) >= 21
@@ -199,7 +191,6 @@ def test_the_queue_enqueues_ahead_of_the_landed_copies_by_its_bound_until_a_laye
         assert worker.records["ahead"].failure is None
         assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
     finally:
-        planner._slice_hook = previous_hook
         backend.land_everything()
         worker.close()
         engine.close()

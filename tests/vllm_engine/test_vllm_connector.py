@@ -230,7 +230,7 @@ def test_tensor_parallel_two_ranks_each_load_their_shard_and_match_a_run_without
 
 def test_a_load_failed_on_purpose_is_retried_and_the_request_completes_as_without_kvstrata(work):
     """vLLM's ``kv_load_failure_policy: recompute``: the load of A's hit fails before its first slice (the runner's
-    test-only slice hook), so vLLM sends A back to waiting with nothing computed and asks the connector again.
+    test-only slice observer), so vLLM sends A back to waiting with nothing computed and asks the connector again.
     The new attempt is looked up and loaded like a new request (it waited for a load forever before), A's
     output equals a run without kvstrata, and no lookup lock of either attempt is left on the server."""
     tmp, base = work

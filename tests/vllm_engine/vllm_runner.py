@@ -17,7 +17,7 @@ With ``KVSTRATA_TEST_SLICE_HOLD`` set, the test-only slice hold is installed at 
 in every engine process vLLM starts (a forked one inherits it, a spawned one imports this module again).
 
 With ``KVSTRATA_TEST_FAIL_FIRST_LOAD`` set (to a file path), the first load kvstrata copies in this process
-(engine placement) fails before its first slice, through the planner's test-only slice hook: a real failed
+(engine placement) fails before its first slice, through a test-only slice observer: a real failed
 load, which vLLM recovers from by its ``kv_load_failure_policy``. The names of the loads the hook saw start
 (their lock owners) go to that file, one a line.
 """
@@ -29,7 +29,8 @@ import os
 import sys
 import time
 
-from kvstrata.conformance_tests.slice_hold import ENVIRONMENT_VARIABLE, SliceHold, install_from_environment
+from kvstrata.conformance_tests.slice_hold import (ENVIRONMENT_VARIABLE, SliceHold, add_slice_observer,
+                                                   install_from_environment)
 
 FAIL_FIRST_LOAD = "KVSTRATA_TEST_FAIL_FIRST_LOAD"
 BARRIER_BOUND = 600.0
@@ -43,8 +44,6 @@ def install_first_load_failure() -> None:
         return
     import threading
 
-    from kvstrata.core.transfer import planner
-
     lock = threading.Lock()
 
     def fail_the_first(name: str, slices: int) -> None:
@@ -57,9 +56,7 @@ def install_first_load_failure() -> None:
         if first:
             raise RuntimeError(f"load {name} fails on purpose ({FAIL_FIRST_LOAD})")
 
-    if planner._slice_hook is not None:
-        raise RuntimeError(f"{FAIL_FIRST_LOAD} and another slice hook are both set")
-    planner._slice_hook = fail_the_first
+    add_slice_observer(fail_the_first)
 
 
 install_from_environment()
