@@ -88,19 +88,6 @@ class ChunkLocations:
             total += row[2]
         return self if total == num_tokens else None
 
-    def only_on_rank(self, rank: int, world_size: int) -> tuple["ChunkLocations | None", ...]:
-        """``LoadSpec.located`` for a load one rank looked up itself: these for ``rank``, nothing for the rest."""
-        return tuple(self if r == rank else None for r in range(world_size))
-
-    @classmethod
-    def for_rank(cls, reply: dict[str, Any], num_tokens: int, rank: int,
-                 world_size: int) -> tuple["ChunkLocations | None", ...] | None:
-        """``LoadSpec.located`` for a load of the first ``num_tokens`` tokens that ``rank`` looked up itself
-        (SGLang's loaders); ``None`` where the reply's locations cannot serve it (RETRIEVE then locates)."""
-        located = cls.from_lookup_reply(reply)
-        located = located.covering(num_tokens) if located is not None else None
-        return located.only_on_rank(rank, world_size) if located is not None else None
-
     def as_retrieve_reply(self) -> dict[str, Any]:
         """The part of a engine-placement RETRIEVE reply these stand for: the pool and the objects."""
         return {"pool": {"name": self.pool_name, "size": self.pool_size,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping
 
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 
@@ -110,9 +110,8 @@ class RuntimeSettings:
     curve_client_key: str | None = None
     """This engine's secret key file (``NAME.key_secret``, mode 0600), whose public key the server authorizes."""
 
-    FIELDS = ("server_address", "layers_per_slice", "placement", "model_name", "lookup_timeout",
-              "layer_wait_timeout", "retrieve_timeout", "store", "pool_slots", "instance_id", "record_path",
-              "curve_server_key", "curve_client_key")
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+    """Every setting's name, in declaration order (filled from the fields below the class)."""
     ALIASES = {"layers_per_stage": "layers_per_slice", "layerwise_overlap": "layers_per_slice"}
     """Old setting names that still work, each with a deprecation warning naming the new one."""
     RETIRED = {"transfer_queue_policy": "concurrent loads' slices go one load after another (round-robin order "
@@ -185,3 +184,6 @@ class RuntimeSettings:
     def client_options(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~kvstrata.core.wire.client.CacheClient` these settings give (CURVE)."""
         return {"curve_server_key": self.curve_server_key, "curve_client_key": self.curve_client_key}
+
+
+RuntimeSettings.FIELDS = tuple(f.name for f in fields(RuntimeSettings))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 
 class RequestType(enum.IntEnum):
@@ -279,6 +279,3 @@ def check_handler_signature(request_type: RequestType, handler: Callable[..., An
             f"Handler for RequestType.{request_type.name} takes ({', '.join(names)}), but the protocol "
             f"declares the items ({', '.join(declared)}) in that order")
 
-
-def validate_payload(request_type: RequestType, payload: Sequence[Any]) -> None:
-    DECLARATIONS[request_type].validate(payload)

@@ -78,15 +78,13 @@ def test_covering_keeps_whole_objects_only():
     assert located.covering(0).objects == ()
     assert located.covering(100) is None, "a load that ends inside a chunk asks RETRIEVE"
     assert located.covering(192) is None, "more tokens than the hit"
-    assert located.only_on_rank(1, 3) == (None, located, None)
     reply = {"hit_tokens": 160, "located": {"pool": {"name": "pool", "size": 1 << 20,
                                                      "generations": {"name": "gens", "slots": 16}},
                                             "shape": [2, 4, 2, 32],
                                             "objects": [list(o) for o in located.objects]}}
     assert ChunkLocations.from_lookup_reply(reply) == located and located.num_tokens == 160
-    assert ChunkLocations.for_rank(reply, 128, 1, 2) == (None, located.covering(128))
-    assert ChunkLocations.for_rank(reply, 100, 0, 1) is None, "no whole-chunk prefix: RETRIEVE locates"
-    assert ChunkLocations.for_rank({"hit_tokens": 0}, 0, 0, 1) is None, "a miss carries no locations"
+    assert ChunkLocations.from_lookup_reply(reply).covering(100) is None, "no whole-chunk prefix: RETRIEVE locates"
+    assert ChunkLocations.from_lookup_reply({"hit_tokens": 0}) is None, "a miss carries no locations"
 
 
 def test_a_load_located_by_its_lookup_lands_byte_exact_without_a_retrieve(client, engine, worker):

@@ -6,10 +6,13 @@ import pytest
 from kvstrata.core.wire import codec
 from kvstrata.core.wire.protocol import (
     DECLARATIONS, RETRIEVE_ITEMS, ProtocolError, RequestType, check_handler_signature,
-    validate_payload,
 )
 from kvstrata.core.server.cache_server import CacheServer, ServerConfig
 from kvstrata.core.wire.transport import Server
+
+
+def validate_payload(request_type: RequestType, payload: list) -> None:
+    DECLARATIONS[request_type].validate(payload)
 
 
 def test_every_request_type_is_declared():
