@@ -205,9 +205,9 @@ def trace_engine_side() -> dict[str, float]:
 
     marks: dict[str, float] = {}
     send, wait, resolve = transport.SharedSocket.send, transport.SharedSocket.wait, transport.Client._resolve
-    def traced_send(self: Any, frames: list[Any]) -> None:
+    def traced_send(self: Any, frames: list[Any], *args: Any) -> None:
         marks.setdefault("engine_send_in", time.perf_counter())
-        send(self, frames)
+        send(self, frames, *args)
         marks.setdefault("engine_sent", time.perf_counter())
 
     def traced_wait(self: Any, *args: Any) -> None:
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.server_process import ServerProcess
     from kvstrata.core.engine.server_placement import ServerPlacement
-    from transfer import spin_until_settled  # the engine's poll, as the transfer benchmark models it
+    from transfer import spin_until_settled, wait_for_transfer_end  # the engine's poll, as the transfer benchmark models it
 
     gpu = args.device == "cuda"
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -310,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for layer in range(32):
                         worker.wait_for_layer(layer)
                     spin_until_settled(worker, rid)
+                    wait_for_transfer_end(worker.records[rid])
                     worker.wait_all()
                     rec = worker.records.pop(rid)
                     if rec.failure:

@@ -283,6 +283,16 @@ def spin_until_settled(worker, rid: str, timeout: float = 30.0) -> None:
         time.sleep(2e-5)
 
 
+def wait_for_transfer_end(rec, timeout: float = 30.0) -> None:
+    """Until the load's transfer has ended as well (server placement: its reply, which may come after the board
+    let the engine settle it)."""
+    deadline = time.monotonic() + timeout
+    while rec.transfer_ended_at is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{rec.request_id}'s transfer never ended")
+        time.sleep(2e-5)
+
+
 def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: int,
                    widths: list[int], server_args: list[str] | None = None,
                    placement: str = "server", locate: str = "lookup") -> dict[str, Any]:
@@ -391,6 +401,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                             ev[1].record(stream)
                     ev[2].record(stream)
                     spin_until_settled(worker, rid)
+                    wait_for_transfer_end(worker.records[rid])
                     worker.wait_all()
                     torch.cuda.synchronize()
                     rec = worker.records.pop(rid)
