@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import errno
 import hmac
 import logging
 import mmap
@@ -17,6 +18,8 @@ import os
 import re
 import secrets
 import stat
+import threading
+import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,61 @@ def sweep_stale_segments() -> list[str]:
     return removed
 
 
+POPULATE_PIECE_BYTES = 1 << 30
+"""How much of a segment one thread allocates at a time (:func:`allocate_every_page`)."""
+
+
+class SegmentTooLarge(OSError):
+    """/dev/shm cannot hold a segment of the size asked for."""
+
+
+def allocate_every_page(fd: int, size: int, *, name: str, threads: int | None = None) -> float:
+    """Allocate every page of the segment file ``fd`` now (``posix_fallocate``, zero-filled, several threads);
+    returns the seconds it took.
+
+    Why: a tmpfs file's pages are otherwise allocated and zeroed by whoever first touches them. For the L1
+    pool that is an engine process registering the pool for DMA (``cudaHostRegister`` faults in every page):
+    tens of seconds at its start for a pool of tens of GiB, instead of a few at the server's. And a pool
+    larger than /dev/shm's free room fails here, with ENOSPC named, instead of with SIGBUS at some later
+    store."""
+    started = time.perf_counter()
+    fs = os.fstatvfs(fd)
+    free = fs.f_bavail * fs.f_frsize
+    if size > free:  # refused before a page is taken: filling /dev/shm would starve every other user of it
+        raise SegmentTooLarge(errno.ENOSPC, f"shared-memory segment {name}: {SHM_DIR} has {free} bytes free, "
+                              f"fewer than the {size} asked for (see `df -h {SHM_DIR}`); ask for less")
+    threads = max(1, min(threads or os.cpu_count() or 1, 16, -(-size // POPULATE_PIECE_BYTES)))
+    pieces = [(offset, min(POPULATE_PIECE_BYTES, size - offset)) for offset in range(0, size, POPULATE_PIECE_BYTES)]
+    failures: list[OSError] = []
+    lock = threading.Lock()
+
+    def allocate() -> None:
+        while True:
+            with lock:
+                if failures or not pieces:
+                    return
+                offset, length = pieces.pop(0)
+            try:
+                os.posix_fallocate(fd, offset, length)  # releases the GIL: the threads zero pages at once
+            except OSError as exc:
+                with lock:
+                    failures.append(exc)
+                return
+
+    workers = [threading.Thread(target=allocate, name=f"kvstrata-populate-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if failures:
+        exc = failures[0]
+        if exc.errno == errno.ENOSPC:
+            raise SegmentTooLarge(errno.ENOSPC, f"shared-memory segment {name}: {SHM_DIR} has no room for "
+                                  f"{size} bytes (see `df -h {SHM_DIR}`); ask for less") from None
+        raise exc
+    return time.perf_counter() - started
+
+
 def _path(name: str) -> str:
     if not isinstance(name, str) or "/" in name or not name or name.startswith(".") or len(name) > 200:
         raise ValueError(f"invalid shared-memory segment name {name!r}")
@@ -79,9 +137,13 @@ def _path(name: str) -> str:
 class Segment:
     """One mapped segment; ``buf`` is a memoryview over the whole mapping."""
 
-    def __init__(self, name: str, size: int, *, create: bool, readonly: bool = False) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, readonly: bool = False,
+                 populate: bool = False) -> None:
+        """``populate`` (with ``create``): allocate every page now (:func:`allocate_every_page`)."""
         self.name = name
         self.owner = create
+        self.populate_seconds: float | None = None
+        """How long populating took, if it was asked for."""
         path = _path(name)
         if create:
             if size <= 0:
@@ -89,6 +151,8 @@ class Segment:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
+                if populate:
+                    self.populate_seconds = allocate_every_page(fd, size, name=name)
             except BaseException:
                 os.close(fd)
                 os.unlink(path)
@@ -128,8 +192,8 @@ class Segment:
         registration of it) must be let go while the mapping still exists."""
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> "Segment":
-        return cls(new_segment_name(prefix), size, create=True)
+    def create(cls, prefix: str, size: int, *, populate: bool = False) -> "Segment":
+        return cls(new_segment_name(prefix), size, create=True, populate=populate)
 
     @classmethod
     def attach(cls, name: str, size: int = 0, *, readonly: bool = False) -> "Segment":

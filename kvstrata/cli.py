@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(settings: ServeSettings, config_file: str | None = None) -> int:
     """Run a server with ``settings`` until SIGTERM or SIGINT (``config_file``: where some came from, logged)."""
+    from kvstrata.core.shm import SegmentTooLarge
     from kvstrata.core.server.cache_server import CacheServer
     from kvstrata.core.wire.transport import default_address
     from kvstrata.native import target_openers
@@ -93,6 +94,9 @@ def serve(settings: ServeSettings, config_file: str | None = None) -> int:
         server = CacheServer(config, target_openers=target_openers(cuda_config))
     except (ValueError, PermissionError) as exc:  # who may connect: an address or keys it refuses to serve
         print(f"kvstrata serve: {exc}", file=sys.stderr)
+        return 2
+    except SegmentTooLarge as exc:  # the L1 pool does not fit in /dev/shm
+        print(f"kvstrata serve: --l1-size: {exc.strerror}", file=sys.stderr)
         return 2
     stop = threading.Event()
 

@@ -31,7 +31,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     lines = open(path).read().splitlines() if path and os.path.exists(path) else []
     mine = sum(1 for line in lines if line.split()[0] == str(os.getpid()))
     terminalreporter.write_line(f"kvstrata serve processes started: {len(lines)} "
-                                f"({mine} by this pytest process, {len(lines) - mine} by its subprocesses)")
+                                f"({mine} by this pytest process, {len(lines) - mine} by its workers and subprocesses)")
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,9 @@ class L1Store:
 
     def __init__(self, capacity_bytes: int, max_objects: int | None = None) -> None:
         """``max_objects``: slots of the generation table (default: one per 4 KiB of pool, at least 1,024)."""
-        self.segment = Segment.create("l1", capacity_bytes)
+        # populated now: an engine registering the pool for DMA must not be the one to allocate its pages
+        self.segment = Segment.create("l1", capacity_bytes, populate=True)
+        log.info("L1 pool of %d MiB allocated in %.2f s", capacity_bytes >> 20, self.segment.populate_seconds)
         self.capacity = capacity_bytes
         self.pool = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self.max_objects = max_objects or max(1024, capacity_bytes >> 12)

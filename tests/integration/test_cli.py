@@ -96,6 +96,19 @@ def test_a_bad_flag_is_refused_naming_it(flags, message, capsys):
     assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_pool_larger_than_dev_shm_is_refused_at_start_naming_the_flag(tmp_path):
+    """The pool is allocated when the server starts (so an engine registering it for DMA does not pay for its
+    pages): one that /dev/shm cannot hold is refused there, with the room there is, and nothing is left."""
+    fs = os.statvfs("/dev/shm")
+    too_large = fs.f_bavail * fs.f_frsize + (1 << 30)
+    proc = subprocess.run([sys.executable, "-m", "kvstrata", "serve", "--address", f"ipc://{tmp_path}/s.sock",
+                           "--l1-size", str(too_large)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "kvstrata serve: --l1-size: " in proc.stderr and "bytes free, fewer than the" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "s.sock")
+
+
 def test_a_bad_value_in_code_is_refused_naming_the_setting():
     from kvstrata.core.server.config import ConnectionLimits, ServerConfig
 
