@@ -23,6 +23,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
   before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``engine-priohigh``) runs its copy
   and scatter streams at the highest priority (the
   default is normal priority; ``-prio0`` names it).
+* The engine's thread between polls: it sleeps 20 us (``--engine-loop sleep``, the default) or stays in
+  Python for 20 us (``spin``), as an engine busy scheduling and launching does; a spinning thread holds the
+  GIL, which the copying threads of an engine placement then wait for.
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
@@ -478,6 +481,23 @@ def close_rig(rig: FormatRig) -> None:
 _run_ids = iter(range(1 << 30))
 
 
+def sleep_between_polls() -> None:
+    time.sleep(2e-5)
+
+
+def spin_between_polls() -> None:
+    """An engine whose thread stays in Python between polls (scheduling, launches): it holds the GIL, which
+    the interpreter hands to another thread only every switch interval."""
+    until = time.perf_counter() + 2e-5
+    while time.perf_counter() < until:
+        pass
+
+
+ENGINE_LOOPS = {"sleep": sleep_between_polls, "spin": spin_between_polls}
+engine_idle = sleep_between_polls
+"""What the engine's thread does between polls (``--engine-loop``)."""
+
+
 def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
             timeline: bool = False, probe: CopyProbe | None = None) -> dict[str, Any]:
     """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer). With
@@ -549,7 +569,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         poll()
         batch = [i for i in released if i not in ttft]
         if not batch:
-            time.sleep(2e-5)
+            engine_idle()
             continue
         step_start = time.perf_counter() - t0
         x = torch.cat([xs[i] for i in batch])
@@ -570,7 +590,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         done.record(stream)
         while not done.query():  # the engine's CPU stays free: keep serving the transfers meanwhile
             poll()
-            time.sleep(2e-5)
+            engine_idle()
         t = time.perf_counter() - t0
         steps.append({"requests": batch, "start_ms": step_start * 1e3, "end_ms": t * 1e3})
         for i in batch:
@@ -660,9 +680,13 @@ def main(argv: list[str] | None = None) -> int:
                         "width 1 REPS more times with its copies and scatters bracketed by timing events")
     p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
                    "of a server mechanism: run once with and once without, in both orders)")
+    p.add_argument("--engine-loop", choices=sorted(ENGINE_LOOPS), default="sleep",
+                   help="between polls the engine's thread sleeps 20 us, or spins 20 us in Python (holding the GIL)")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNGs from a result file (needs matplotlib)")
     args = p.parse_args(argv)
+    global engine_idle
+    engine_idle = ENGINE_LOOPS[args.engine_loop]
     if args.plot:
         from ttft_plots import draw
 
@@ -699,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
-        "config": {"prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
+        "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": args.pool_gib, "stream_pad": args.stream_pad, "first_use": args.first_use,
