@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(settings: ServeSettings, config_file: str | None = None) -> int:
     """Run a server with ``settings`` until SIGTERM or SIGINT (``config_file``: where some came from, logged)."""
     from kvstrata.core.shm import SegmentTooLarge
+    from kvstrata.core.store.l2.backend import TierUnavailable
     from kvstrata.core.server.cache_server import CacheServer
     from kvstrata.core.wire.transport import default_address
     from kvstrata.native import target_openers
@@ -97,6 +98,9 @@ def serve(settings: ServeSettings, config_file: str | None = None) -> int:
         return 2
     except SegmentTooLarge as exc:  # the L1 pool does not fit in /dev/shm
         print(f"kvstrata serve: --l1-size: {exc.strerror}", file=sys.stderr)
+        return 2
+    except TierUnavailable as exc:  # --l2 names no cluster that answers
+        print(f"kvstrata serve: --l2: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -184,6 +188,15 @@ def keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_tier(l2: dict | None) -> str:
+    if not l2:
+        return "off"
+    misses = {k[len("miss_"):]: v for k, v in l2.items() if k.startswith("miss_") and v}
+    return (f"{l2['address']}: {l2.get('written', 0)} chunks written ({l2.get('write_skipped', 0)} skipped, "
+            f"{l2.get('write_failed', 0)} failed, {l2.get('write_queue_bytes', 0) >> 20} MiB queued), "
+            f"{l2.get('fetched', 0)} fetched, misses {misses or 'none'}")
+
+
 def format_status(address: str, info: dict) -> str:
     """The readable table ``kvstrata status`` prints."""
     l1 = info["l1"]
@@ -204,6 +217,7 @@ def format_status(address: str, info: dict) -> str:
                       f"{totals.get('retrieved_bytes', 0) / (1 << 20):.1f} MiB"),
         ("transfers in flight", str(info.get("transfers_in_flight", 0))),
         ("metrics", f"http://127.0.0.1:{info['metrics_port']}/metrics" if info.get("metrics_port") else "off"),
+        ("shared tier", format_tier(info.get("l2"))),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.board import ArrivalBoard, pack
@@ -29,6 +29,9 @@ from kvstrata.core.server.metrics import ServerMetrics
 from kvstrata.core.server.targets import Completion, HostSignal, Target, TargetOpener, open_target
 from kvstrata.core.shm import SegmentKindError, sweep_stale_segments
 from kvstrata.core.wire.transport import Server
+
+if TYPE_CHECKING:  # the shared tier needs the l2 extra: imported only when configured
+    from kvstrata.core.store.l2.tier import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class _Reservation:
     objects: list[tuple[StoredObject, int]]
     """(object, tokens)"""
     connection: Connection | None = None
+    key: CacheKey | None = None
+    """The STORE's key (its model shard names the objects in the shared tier)."""
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +140,24 @@ class CacheServer:
         self._slice_observer = slice_observer
         sweep_stale_segments()  # what crashed servers and engines left behind
         self.store = L1Store(config.l1_bytes)
+        self.tier: SharedTier | None = None
+        """The shared tier (``--l2``), if configured."""
+        if config.l2:
+            try:
+                from kvstrata.core.store.l2 import tier as l2_tier
+                from kvstrata.core.store.l2.choose_backend import open_backend
+
+                self.tier = l2_tier.SharedTier(open_backend(config.l2, password_file=config.l2_password_file), self.store,
+                                       write_queue_bytes=config.l2_write_queue)
+            except ModuleNotFoundError as exc:
+                self.store.close()
+                raise ValueError(f"--l2 needs the shared tier's packages (pip install 'kvstrata[l2]'): {exc}") \
+                    from None
+            except BaseException:
+                self.store.close()
+                raise
+            log.info("shared tier %s: committed chunks are written behind to it, hits past L1 read from it",
+                     config.l2)
         self._instances: dict[int, _Instance] = {}
         self._connections: dict[bytes | None, Connection] = {}
         self._draining: list[_Instance] = []
@@ -205,6 +228,8 @@ class CacheServer:
             graveyard, self._graveyard = self._graveyard, []
         for _, close in graveyard:  # every transfer was settled by the transport's stop
             close()
+        if self.tier is not None:
+            self.tier.close()  # chunks still queued for it are dropped: the tier is a cache
         self.store.close()
         log.info("kvstrata server stopped; shared-memory segment %s removed", self.store.segment.name)
 
@@ -236,7 +261,8 @@ class CacheServer:
                 "instances": [i["instance_id"] for i in state["instances"]], "instance_details": state["instances"],
                 "transfers_in_flight": sum(i["transfers"] for i in state["instances"]),
                 "totals": self.metrics.totals(), "metrics_port": self.metrics_port,
-                "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values()))}
+                "gpu_signals": sum(getattr(i.target, "signals", 0) for i in list(self._instances.values())),
+                "l2": None if self.tier is None else {"address": self.config.l2, **self.tier.stats()}}
 
     def register_kv_cache(self, instance_id: int, descriptor: dict[str, Any]) -> dict[str, Any]:
         caller = self.transport.current_client()
@@ -316,6 +342,8 @@ class CacheServer:
         self._check_may_use_owner(owner, caller)
         conn = self._connection(caller)
         digests = ck.chunk_hashes(self.config.chunk_size)
+        if self.tier is not None:
+            self._fill_from_tier(ck, digests)
         with self._lock:
             if conn.ended:
                 raise RequestError("this connection's lease has ended; send the request again")
@@ -334,6 +362,23 @@ class CacheServer:
         if hit:
             reply["located"] = self._locations(hit)
         return reply
+
+    def _fill_from_tier(self, ck: CacheKey, digests: list[bytes]) -> None:
+        """Bring the chunks right after what L1 holds of ``ck`` in from the shared tier, as far as it has them.
+        The objects' shape is the cache of the instance the lock owner names (``request@iN``); a key that names
+        none is served from L1 alone."""
+        instance_id = instance_of_lock_owner(ck.request_id)
+        with self._lock:
+            inst = self._instances.get(instance_id) if instance_id is not None else None
+        if inst is None:
+            return
+        in_l1 = len(self.store.lookup(ck.request_id, digests, lock=False))
+        if in_l1 == len(digests):
+            return
+        cs, n = self.config.chunk_size, ck.num_tokens
+        counts = [min(cs, n - i * cs) for i in range(in_l1, len(digests))]
+        layout = inst.layout
+        self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype, layout.object_bytes)
 
     def _key(self, key: dict[str, Any]) -> CacheKey:
         """The request's key, refused before anything is done if it is longer than the server's bounds."""
@@ -459,6 +504,8 @@ class CacheServer:
             for obj, count in pending:
                 self.store.commit(obj)
                 stored += count
+            if self.tier is not None and pending:
+                self.tier.offer_committed(ck, layout.dtype, [obj for obj, _ in pending])
             if full is not None:
                 raise full
             return {"stored_tokens": stored, "skipped_tokens": skipped, "in_progress_tokens": in_progress}
@@ -538,7 +585,7 @@ class CacheServer:
                     raise RequestError("this connection's lease has ended; send the request again")
                 rid = self._next_reservation
                 self._next_reservation += 1
-                self._reservations[rid] = _Reservation(instance_id, caller, ck.request_id, reserved, conn)
+                self._reservations[rid] = _Reservation(instance_id, caller, ck.request_id, reserved, conn, ck)
                 conn.reservations.add(rid)
                 conn.reserved_bytes += taken
         finally:
@@ -564,6 +611,11 @@ class CacheServer:
                 stored, stored_bytes = stored + count, stored_bytes + obj.nbytes
             else:
                 self.store.abandon(obj)
+        if landed and self.tier is not None and res.key is not None and res.objects:
+            with self._lock:
+                inst = self._instances.get(res.instance_id)
+            if inst is not None:
+                self.tier.offer_committed(res.key, inst.layout.dtype, [obj for obj, _ in res.objects])
         if not landed and res.objects:
             log.warning("store reservation %d for request %s dropped: the engine says no copy landed in it",
                         reservation, res.request_id)

@@ -317,6 +317,13 @@ class ServerConfig:
     metrics_port: int | None = setting(None, Integer(0, 65535, metavar="PORT"), "serve Prometheus metrics on "
                                        "http://127.0.0.1:PORT/metrics (0: any free port; every interface with "
                                        "allow_remote)", default_text="off")
+    l2: str | None = setting(None, Text("ADDRESS"), "a shared tier the servers of every host write their chunks "
+                             "to and read hits past their own pool from: valkey://HOST:PORT[,HOST:PORT...] "
+                             "(valkeys:// with TLS; needs pip install kvstrata[l2])")
+    l2_password_file: str | None = setting(None, Text("FILE"), "the shared tier's password, in a file only this "
+                                           "user may read (mode 0600)")
+    l2_write_queue: int = setting(256 << 20, Size(), "bytes of committed chunks that may wait to be written to the "
+                                  "shared tier; chunks beyond them are skipped and counted, never waited for")
     limits: ConnectionLimits = group(ConnectionLimits)
     """Per-connection bounds and the lease (see :mod:`kvstrata.core.server.connections`)."""
 

