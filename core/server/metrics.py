@@ -15,15 +15,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from kvstrata.core.latency import LatencyHistogram
 from kvstrata.core.wire.protocol import RequestType
 
 if TYPE_CHECKING:
     from kvstrata.core.server.cache_server import CacheServer
 
 log = logging.getLogger(__name__)
-
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-"""Seconds: a width-1 release is under a millisecond, a 1 GiB transfer about 20 ms, a slow CPU copy seconds."""
 
 COUNTERS = {
     "lookup_hit_tokens": "Tokens LOOKUPs found stored",
@@ -36,23 +34,6 @@ COUNTERS = {
 }
 HISTOGRAMS = {"retrieve_seconds": "RETRIEVE time in the server, to its reply",
               "store_seconds": "STORE time in the server, to its reply"}
-
-
-class _Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.sum += seconds
-        self.counts[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))] += 1
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.counts):
-            running += n
-            out.append((bound, running))
-        return out
 
 
 class _Collector:
@@ -98,6 +79,36 @@ class _Collector:
                                 value=len(state["instances"]))
         yield GaugeMetricFamily("kvstrata_transfers_in_flight", "STOREs and RETRIEVEs copying now",
                                 value=sum(i["transfers"] for i in state["instances"]))
+        tier = m.server.tier
+        if tier is not None:
+            yield from _tier_metrics(tier.stats(), tier.fetch_seconds.buckets(), tier.fetch_seconds.sum,
+                                     tier.write_seconds.buckets(), tier.write_seconds.sum)
+
+
+def _tier_metrics(stats: dict[str, int], fetch_buckets: list, fetch_sum: float, write_buckets: list,
+                  write_sum: float) -> Iterator[Any]:
+    """The shared tier's families (``kvstrata_l2_*``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    for name, key, text in (("hits", "fetched", "Chunks read from the shared tier into L1"),
+                            ("read_bytes", "fetched_bytes", "Payload bytes read from the shared tier"),
+                            ("written", "written", "Chunks written to the shared tier"),
+                            ("written_bytes", "written_bytes", "Payload bytes written to the shared tier"),
+                            ("write_skipped", "write_skipped", "Chunks not written: the write queue was full"),
+                            ("write_failed", "write_failed", "Chunks whose write the tier did not take")):
+        yield CounterMetricFamily(f"kvstrata_l2_{name}", text, value=stats.get(key, 0))
+    fam = CounterMetricFamily("kvstrata_l2_misses", "Chunks looked for in the shared tier and not used, by reason",
+                              labels=["reason"])
+    for key, n in sorted(stats.items()):
+        if key.startswith("miss_"):
+            fam.add_metric([key[len("miss_"):]], n)
+    yield fam
+    yield GaugeMetricFamily("kvstrata_l2_write_queue_bytes", "Bytes of chunks waiting to be written to the tier",
+                            value=stats.get("write_queue_bytes", 0))
+    yield HistogramMetricFamily("kvstrata_l2_fetch_seconds", "One LOOKUP's read from the shared tier",
+                                buckets=fetch_buckets, sum_value=fetch_sum)
+    yield HistogramMetricFamily("kvstrata_l2_write_seconds", "One batch written to the shared tier",
+                                buckets=write_buckets, sum_value=write_sum)
 
 
 class ServerMetrics:
@@ -106,7 +117,7 @@ class ServerMetrics:
         self.started_at = time.time()
         self._lock = threading.Lock()
         self._counts = {name: 0.0 for name in COUNTERS}
-        self._hists = {name: _Histogram() for name in HISTOGRAMS}
+        self._hists = {name: LatencyHistogram() for name in HISTOGRAMS}
         self._fallbacks: dict[str, int] = {}
         self._failures: dict[tuple[str, str], int] = {}
         self._http: Any = None

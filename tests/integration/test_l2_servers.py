@@ -81,7 +81,7 @@ class Host:
 
 
 def test_what_one_host_stored_is_a_byte_exact_hit_on_another_that_never_saw_it(cluster) -> None:
-    a, b = Host(cluster.addresses), Host(cluster.addresses)
+    a, b = Host(cluster.addresses), Host(cluster.addresses, "--metrics-port", "0")
     try:
         prompt = random_prompt(TOKENS, seed=501)
         assert a.store(prompt)["stored_tokens"] == TOKENS
@@ -95,6 +95,16 @@ def test_what_one_host_stored_is_a_byte_exact_hit_on_another_that_never_saw_it(c
         line = next(x for x in format_status(b.server.address, b.client.server_info()).splitlines()
                     if x.startswith("shared tier"))
         assert f"{cluster.addresses}: 0 chunks written" in line and f"{CHUNKS} fetched, misses none" in line
+        import urllib.request
+
+        port = b.client.server_info()["metrics_port"]
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in scraped.splitlines()
+                  if line.startswith("kvstrata_l2_")}
+        assert values["kvstrata_l2_hits_total"] == CHUNKS
+        assert values["kvstrata_l2_read_bytes_total"] == CHUNKS * b.engine.layout.object_bytes(CHUNK)
+        assert values["kvstrata_l2_fetch_seconds_count"] == 1
+        assert not any(name.startswith("kvstrata_l2_misses_total") for name in values)
         again, dst2 = b.load("on-b-again", prompt)  # now in B's own pool: no second fetch
         assert again == TOKENS and b.l2()["fetched"] == CHUNKS
         assert b.engine.mismatched_layers(prompt, dst2, 0, TOKENS) == []
@@ -124,6 +134,7 @@ def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> Non
         assert hit == 2 * CHUNK, "the hit must end before the chunk that does not check out"
         assert b.engine.mismatched_layers(prompt, dst, 0, hit) == []
         assert b.l2()["miss_checksum"] == 1
+        assert a.l2()["written"] == CHUNKS and a.l2()["write_queue_bytes"] == 0
     finally:
         a.close()
         b.close()

@@ -14,9 +14,11 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+from kvstrata.core.latency import LatencyHistogram
 from kvstrata.core.store.l1_store import L1Store, StoredObject, StoreFull
 from kvstrata.core.store.l2.backend import TierBackend, TierUnavailable
 from kvstrata.core.store.l2.value import TierKey, TierMiss, decode, encode
@@ -54,12 +56,19 @@ class SharedTier:
         self.counts: collections.Counter[str] = collections.Counter()
         """written, written_bytes, write_skipped (queue full), write_failed, fetched, fetched_bytes, misses by
         reason (``miss_<reason>``, ``miss_absent``, ``miss_unavailable``)."""
+        self._counts_lock = threading.Lock()
+        self.fetch_seconds = LatencyHistogram()
+        self.write_seconds = LatencyHistogram()
         self._queue: collections.deque[_Queued] = collections.deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._writer = threading.Thread(target=self._write_loop, name="kvstrata-l2-writer", daemon=True)
         self._writer.start()
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.counts[name] += n
 
     # --- writes ------------------------------------------------------------------------------
 
@@ -70,7 +79,7 @@ class SharedTier:
         with self._cond:
             for obj, key in objects:
                 if self._stopping or self._queued_bytes + obj.nbytes > self.write_queue_bytes:
-                    self.counts["write_skipped"] += 1
+                    self._bump("write_skipped", 1)
                     continue
                 taken.append(_Queued(obj, key))
                 self._queued_bytes += obj.nbytes
@@ -100,12 +109,14 @@ class SharedTier:
                     batch.append(q)
                     size += q.obj.nbytes
             try:
+                started = time.perf_counter()
                 values = [(q.key.name(self.namespace), encode(q.key, self.store.object_bytes(q.obj))) for q in batch]
                 self.backend.set_many(values)
-                self.counts["written"] += len(batch)
-                self.counts["written_bytes"] += size
+                self.write_seconds.observe(time.perf_counter() - started)
+                self._bump("written", len(batch))
+                self._bump("written_bytes", size)
             except (TierUnavailable, OSError, ValueError) as exc:
-                self.counts["write_failed"] += len(batch)
+                self._bump("write_failed", len(batch))
                 log.warning("shared tier: %d chunks not written: %s", len(batch), exc)
             finally:
                 self.store.unpin([q.obj for q in batch])
@@ -119,25 +130,27 @@ class SharedTier:
         """The payloads of the longest run of ``keys`` from the first that the tier holds and that check out."""
         if not keys:
             return []
+        started = time.perf_counter()
         try:
             values = self.backend.get_many([k.name(self.namespace) for k in keys])
+            self.fetch_seconds.observe(time.perf_counter() - started)
         except TierUnavailable as exc:
-            self.counts["miss_unavailable"] += 1
+            self._bump("miss_unavailable", 1)
             log.warning("shared tier: lookup of %d chunks: %s", len(keys), exc)
             return []
         payloads = []
         for key, value in zip(keys, values):
             if value is None:
-                self.counts["miss_absent"] += 1
+                self._bump("miss_absent", 1)
                 break
             try:
                 payloads.append(decode(key, value))
             except TierMiss as miss:
-                self.counts[f"miss_{miss.reason.value}"] += 1
+                self._bump(f"miss_{miss.reason.value}", 1)
                 log.warning("shared tier: chunk %s is not used: %s", key.chunk_hash.hex()[:12], miss)
                 break
-        self.counts["fetched"] += len(payloads)
-        self.counts["fetched_bytes"] += sum(len(p) for p in payloads)
+        self._bump("fetched", len(payloads))
+        self._bump("fetched_bytes", sum(len(p) for p in payloads))
         return payloads
 
     # --- in the server's terms -----------------------------------------------------------------
@@ -162,12 +175,12 @@ class SharedTier:
         for key, payload in zip(keys, self.fetch(keys)):
             nbytes = object_bytes(key.num_tokens)
             if len(payload) != nbytes:
-                self.counts["miss_size"] += 1
+                self._bump("miss_size", 1)
                 break
             try:
                 obj = self.store.reserve(key.chunk_hash, key.num_tokens, nbytes, key.shape)
             except StoreFull:
-                self.counts["fill_no_room"] += 1
+                self._bump("fill_no_room", 1)
                 break
             if obj is None:  # stored meanwhile (or being stored: then not a hit yet, and the run ends)
                 if self.store.is_pending(key.chunk_hash):
@@ -184,7 +197,7 @@ class SharedTier:
         return filled
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
+        with self._cond, self._counts_lock:
             return {**self.counts, "write_queue_bytes": self._queued_bytes}
 
     def close(self) -> None:
