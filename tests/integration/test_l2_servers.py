@@ -170,3 +170,21 @@ def test_a_cluster_that_goes_down_costs_hits_never_a_hang(tmp_path) -> None:
         finally:
             a.close()
             b.close()
+
+
+def test_a_restarted_server_with_an_empty_pool_hits_what_it_stored_before(cluster) -> None:
+    first = Host(cluster.addresses)
+    prompt = random_prompt(TOKENS, seed=506)
+    try:
+        assert first.store(prompt)["stored_tokens"] == TOKENS
+        first.wait_written(CHUNKS)
+    finally:
+        first.close()  # the server stops: its pool is gone
+    restarted = Host(cluster.addresses)
+    try:
+        assert restarted.client.server_info()["l1"]["objects"] == 0
+        hit, dst = restarted.load("after-restart", prompt)
+        assert hit == TOKENS and restarted.engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+        assert restarted.l2()["fetched"] == CHUNKS
+    finally:
+        restarted.close()
