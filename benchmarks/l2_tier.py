@@ -133,19 +133,25 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--arms", default="fetch,store", help="which measurements: fetch, store or both")
     p.add_argument("--out")
     args = p.parse_args()
+    arms = set(args.arms.split(","))
     from kvstrata_testing.valkey_cluster import ValkeyCluster
 
     with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"),
                        maxmemory=f"{int(3 * args.gib * 1024) + 512}mb") as cluster:
-        fetch = fetch_arms(cluster, args.gib, args.chunk, args.reps)
-        print(f"fetch {fetch['bytes'] >> 20} MiB in {fetch['chunks']} chunks: raw pipelined GETs "
-              f"{fetch['raw_get_gb_s']} GB/s, into L1 through the tier {fetch['tier_fill_gb_s']} GB/s "
-              f"({fetch['fill_vs_raw']}x; target 0.85x)", flush=True)
-        store = store_arms(cluster, args.gib, args.chunk, args.reps)
-        print(f"store {store['bytes'] >> 20} MiB: with --l2 {statistics.median(store['with_l2_s']):.3f} s, without "
-              f"{statistics.median(store['without_s']):.3f} s ({store['store_with_l2_vs_without']}x; target 1.05x)")
+        fetch = store = None
+        if "fetch" in arms:
+            fetch = fetch_arms(cluster, args.gib, args.chunk, args.reps)
+            print(f"fetch {fetch['bytes'] >> 20} MiB in {fetch['chunks']} chunks: raw pipelined GETs "
+                  f"{fetch['raw_get_gb_s']} GB/s, into L1 through the tier {fetch['tier_fill_gb_s']} GB/s "
+                  f"({fetch['fill_vs_raw']}x; target 0.85x)", flush=True)
+        if "store" in arms:
+            store = store_arms(cluster, args.gib, args.chunk, args.reps)
+            print(f"store {store['bytes'] >> 20} MiB: with --l2 {statistics.median(store['with_l2_s']):.3f} s, "
+                  f"without {statistics.median(store['without_s']):.3f} s ({store['store_with_l2_vs_without']}x; target "
+                  "1.05x)")
     result = {"benchmark": "l2_tier", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                   "platform": platform.platform()},
               "config": vars(args), "fetch": fetch, "store": store}
