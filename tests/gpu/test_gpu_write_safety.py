@@ -22,7 +22,11 @@ def test_a_cuda_region_larger_than_its_allocation_is_refused(gpu_server):
 
     backing = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda:0")
     region = export_region(backing)
-    claimed = 64 * region.size  # far past any allocation the caching allocator made for it
+    # past the end of the allocation the caching allocator carved it from (which earlier tests may have grown
+    # well beyond the tensor): claimed in whole blocks of the layout below
+    ptr, block_bytes = backing.data_ptr(), 4 * 16 * 2 * 64 * 2
+    segment = next(s for s in torch.cuda.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"])
+    claimed = ((segment["address"] + segment["total_size"] - ptr) // block_bytes + 64) * block_bytes
     lying = Region("cuda_ipc", claimed, handle={**region.handle, "storage_size": claimed + 4096})
     layout = blocks_layout(num_layers=2, kv_size=2, num_blocks=claimed // (4 * 16 * 2 * 64 * 2), block_size=16,
                            num_heads=2, head_size=64, dtype="bfloat16", region=lying)
