@@ -147,7 +147,8 @@ class CacheServer:
                 from kvstrata.core.store.l2 import tier as l2_tier
                 from kvstrata.core.store.l2.choose_backend import open_backend
 
-                self.tier = l2_tier.SharedTier(open_backend(config.l2, password_file=config.l2_password_file), self.store,
+                self.tier = l2_tier.SharedTier(open_backend(config.l2, password_file=config.l2_password_file,
+                                                            timeout=config.l2_timeout), self.store,
                                        write_queue_bytes=config.l2_write_queue)
             except ModuleNotFoundError as exc:
                 self.store.close()
@@ -194,7 +195,10 @@ class CacheServer:
         self.metrics = ServerMetrics(self)
         self.metrics_port: int | None = None
         for rt, h in handlers.items():
-            self.transport.register(rt, self.metrics.instrument(rt, h))
+            # a LOOKUP that may read the shared tier waits on the network: a transfer thread runs it, so the
+            # thread that answers PING and the other quick requests is never held by it
+            slow = rt == RequestType.LOOKUP and self.tier is not None
+            self.transport.register(rt, self.metrics.instrument(rt, h), blocking=True if slow else None)
 
     @property
     def address(self) -> str:

@@ -322,6 +322,8 @@ class ServerConfig:
                              "(valkeys:// with TLS; needs pip install kvstrata[l2])")
     l2_password_file: str | None = setting(None, Text("FILE"), "the shared tier's password, in a file only this "
                                            "user may read (mode 0600)")
+    l2_timeout: float = setting(2.0, Number(0, above=True, metavar="SECONDS"), "how long one read or write of the shared "
+                                "tier may take before it counts as a miss (a node down, a failover)")
     l2_write_queue: int = setting(256 << 20, Size(), "bytes of committed chunks that may wait to be written to the "
                                   "shared tier; chunks beyond them are skipped and counted, never waited for")
     limits: ConnectionLimits = group(ConnectionLimits)

@@ -288,6 +288,8 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._turn = threading.Lock()  # held by the one thread waiting on the socket
         self._work = threading.Condition()
+        self._runs_blocking: dict[RequestType | int, bool] = {}
+        """Per request type, whether its handler runs on a transfer thread (see :meth:`register`)."""
         self._blocking_running = 0
         self._blocking_queued: collections.deque[tuple[bytes, codec.Request]] = collections.deque()
         self._counts = threading.Lock()
@@ -315,10 +317,13 @@ class Server:
             self._sock.busy_wait = busy_wait
         self._busy_window_s = window_ms / 1e3
 
-    def register(self, request_type: RequestType, handler: Handler) -> None:
-        """Register a handler; raises ProtocolError if its arity differs from the declaration."""
+    def register(self, request_type: RequestType, handler: Handler, *, blocking: bool | None = None) -> None:
+        """Register a handler; raises ProtocolError if its arity differs from the declaration. ``blocking``
+        overrides the declaration's: a handler that may wait on something slow (a LOOKUP reading the shared
+        tier) runs on a transfer thread, so the thread that answers PING and quick requests stays free."""
         check_handler_signature(request_type, handler)
         self._handlers[request_type] = handler
+        self._runs_blocking[request_type] = DECLARATIONS[request_type].blocking if blocking is None else blocking
 
     def start(self) -> None:
         missing = [rt.name for rt in RequestType if rt not in self._handlers]
@@ -408,7 +413,7 @@ class Server:
                 if decoded is None:
                     continue
                 identity, request = decoded
-                if not DECLARATIONS[request.request_type].blocking:
+                if not self._runs_blocking.get(request.request_type, False):
                     self._send(identity, self._run(request, identity))
                     continue
                 with self._work:

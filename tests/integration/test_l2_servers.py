@@ -188,3 +188,36 @@ def test_a_restarted_server_with_an_empty_pool_hits_what_it_stored_before(cluste
         assert restarted.l2()["fetched"] == CHUNKS
     finally:
         restarted.close()
+
+
+def test_a_lookup_waiting_on_the_tier_holds_no_other_request(tmp_path) -> None:
+    """A LOOKUP reading a tier node that does not answer (stopped) waits for it on a transfer thread: meanwhile
+    PING and another engine's L1 hit are answered; once the node answers again, the LOOKUP hits."""
+    import signal
+
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        a = Host(own.addresses)
+        b = Host(own.addresses, "--l2-timeout", "600")  # the LOOKUP waits as long as the node is stopped
+        try:
+            prompt, local = random_prompt(TOKENS, seed=507), random_prompt(TOKENS, seed=508)
+            a.store(prompt)
+            a.wait_written(CHUNKS)
+            assert b.store(local)["stored_tokens"] == TOKENS
+            for proc in own.procs:
+                proc.send_signal(signal.SIGSTOP)
+            try:
+                slow = CacheClient(b.server.address, timeout=600.0)
+                pending = slow.lookup_async(CacheKey.for_tokens(lock_owner("waits", 0), prompt, model="m"))
+                quick = CacheClient(b.server.address, timeout=BOUND)
+                assert quick.ping()  # answered while the LOOKUP waits on the tier
+                assert quick.lookup(CacheKey.for_tokens(lock_owner("local-hit", 0), local, model="m")) == TOKENS
+                assert not pending.done(), "the LOOKUP did not wait on the stopped tier"
+            finally:
+                for proc in own.procs:
+                    proc.send_signal(signal.SIGCONT)
+            assert slow.transport.wait(pending, timeout=BOUND)["hit_tokens"] == TOKENS
+            quick.close()
+            slow.close()
+        finally:
+            a.close()
+            b.close()
