@@ -221,3 +221,41 @@ def test_a_lookup_waiting_on_the_tier_holds_no_other_request(tmp_path) -> None:
         finally:
             a.close()
             b.close()
+
+
+def test_a_node_killed_while_a_lookup_reads_it_costs_the_hit_never_a_hang_or_wrong_bytes(tmp_path) -> None:
+    """Every node is stopped when the LOOKUP is sent, then one is killed and the others resumed, so the read
+    meets a node that dies under it (or, if the LOOKUP reaches the tier only after the kill, one already dead):
+    either way the LOOKUP answers with what L1 holds (nothing), the miss is counted, and the engine's store and
+    a later load from L1 are unaffected."""
+    import signal
+
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        a = Host(own.addresses)
+        b = Host(own.addresses, "--l2-timeout", "600")  # only the killed node's closed socket ends the read
+        try:
+            prompt = random_prompt(TOKENS, seed=509)
+            a.store(prompt)
+            a.wait_written(CHUNKS)
+            for proc in own.procs:
+                proc.send_signal(signal.SIGSTOP)
+            reader = CacheClient(b.server.address, timeout=BOUND)
+            try:
+                pending = reader.lookup_async(CacheKey.for_tokens(lock_owner("mid-fetch", 0), prompt, model="m"))
+                quick = CacheClient(b.server.address, timeout=BOUND)
+                assert quick.ping()  # the server answers others meanwhile
+                quick.close()
+            finally:
+                own.kill(1)
+                for i, proc in enumerate(own.procs):
+                    if i != 1:
+                        proc.send_signal(signal.SIGCONT)
+            assert reader.transport.wait(pending, timeout=BOUND)["hit_tokens"] == 0
+            reader.close()
+            assert b.l2()["miss_unavailable"] == 1 and b.l2().get("fetched", 0) == 0
+            assert b.store(prompt)["stored_tokens"] == TOKENS  # recomputed and stored: served from L1 from now on
+            hit, dst = b.load("after", prompt)
+            assert hit == TOKENS and b.engine.mismatched_layers(prompt, dst, 0, TOKENS) == []
+        finally:
+            a.close()
+            b.close()
