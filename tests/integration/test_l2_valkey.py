@@ -125,3 +125,29 @@ def test_a_cluster_with_a_password_needs_it(tmp_path) -> None:
             assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"ok"
         finally:
             tier.close()
+
+
+def test_a_value_moved_by_a_resharding_is_found_through_ask_and_moved(tmp_path) -> None:
+    """A slot migrates to another node while a server's client holds the old slot map: in the middle of the
+    migration (the source answers ASK) and after it (MOVED) the value is read whole and checks out."""
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        tier = open_backend(own.addresses)  # its slot map predates the resharding
+        try:
+            key = tier_key(4242)
+            tier.set_many([(key.name(), encode(key, b"\5" * 4096))])
+            cluster = tier._cluster
+            slot = cluster.keyslot(key.name())
+            source = cluster.get_node_from_key(key.name()).port
+            target = next(p for p in own.ports if p != source)
+            ids = {p: own._client(p).execute_command("CLUSTER", "MYID") for p in own.ports}
+            ids = {p: (i.decode() if isinstance(i, bytes) else i) for p, i in ids.items()}
+            own._client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+            own._client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+            own._client(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", key.name())
+            assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"\5" * 4096  # ASK from the source
+            for port in own.ports:
+                own._client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+            assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"\5" * 4096  # MOVED, then the target
+            assert cluster.get_node_from_key(key.name()).port == target
+        finally:
+            tier.close()
