@@ -61,7 +61,7 @@ def fetch_arms(cluster, gib: float, chunk: int, reps: int) -> dict:
         tier = SharedTier(open_backend(cluster.addresses, timeout=30.0), store)
         tier.backend.get_many(names[:1] + names[-1:])  # its connections open before the clock starts, as raw's did
         started = time.perf_counter()
-        filled = tier.fill(key, digests, [chunk] * n, shape, dtype, layout.object_bytes)
+        filled = tier.fill(key, digests, [chunk] * n, shape, dtype)
         tier_t = time.perf_counter() - started
         assert filled == n, f"filled {filled} of {n}: {tier.stats()}"
         tier.close()

@@ -382,7 +382,7 @@ class CacheServer:
         cs, n = self.config.chunk_size, ck.num_tokens
         counts = [min(cs, n - i * cs) for i in range(in_l1, len(digests))]
         layout = inst.layout
-        self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype, layout.object_bytes)
+        self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype)
 
     def _key(self, key: dict[str, Any]) -> CacheKey:
         """The request's key, refused before anything is done if it is longer than the server's bounds."""

@@ -20,6 +20,7 @@ from kvstrata.core.wire.protocol import RequestType
 
 if TYPE_CHECKING:
     from kvstrata.core.server.cache_server import CacheServer
+    from kvstrata.core.store.l2.tier import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +82,14 @@ class _Collector:
                                 value=sum(i["transfers"] for i in state["instances"]))
         tier = m.server.tier
         if tier is not None:
-            yield from _tier_metrics(tier.stats(), tier.fetch_seconds.buckets(), tier.fetch_seconds.sum,
-                                     tier.write_seconds.buckets(), tier.write_seconds.sum)
+            yield from _tier_metrics(tier)
 
 
-def _tier_metrics(stats: dict[str, int], fetch_buckets: list, fetch_sum: float, write_buckets: list,
-                  write_sum: float) -> Iterator[Any]:
+def _tier_metrics(tier: "SharedTier") -> Iterator[Any]:
     """The shared tier's families (``kvstrata_l2_*``)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+    stats = tier.stats()
     for name, key, text in (("hits", "fetched", "Chunks read from the shared tier into L1"),
                             ("read_bytes", "fetched_bytes", "Payload bytes read from the shared tier"),
                             ("written", "written", "Chunks written to the shared tier"),
@@ -106,9 +106,9 @@ def _tier_metrics(stats: dict[str, int], fetch_buckets: list, fetch_sum: float, 
     yield GaugeMetricFamily("kvstrata_l2_write_queue_bytes", "Bytes of chunks waiting to be written to the tier",
                             value=stats.get("write_queue_bytes", 0))
     yield HistogramMetricFamily("kvstrata_l2_fetch_seconds", "One LOOKUP's read from the shared tier",
-                                buckets=fetch_buckets, sum_value=fetch_sum)
+                                buckets=tier.fetch_seconds.buckets(), sum_value=tier.fetch_seconds.sum)
     yield HistogramMetricFamily("kvstrata_l2_write_seconds", "One batch written to the shared tier",
-                                buckets=write_buckets, sum_value=write_sum)
+                                buckets=tier.write_seconds.buckets(), sum_value=tier.write_seconds.sum)
 
 
 class ServerMetrics:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from kvstrata.core.latency import LatencyHistogram
 from kvstrata.core.store.l1_store import L1Store, StoredObject, StoreFull
@@ -167,13 +167,13 @@ class SharedTier:
                     for obj in objects])
 
     def fill(self, shard: ShardOf, digests: Sequence[bytes], token_counts: Sequence[int],
-             shape: tuple[int, int, int, int], dtype: str, object_bytes: Callable[[int], int]) -> int:
+             shape: tuple[int, int, int, int], dtype: str) -> int:
         """Fetch the chunks ``digests`` (the run right after an L1 hit) into L1, committed, in order, as far as
         the tier holds them, they check out and the pool has room; returns how many are now in L1."""
         keys = [self.key(shard, d, n, shape, dtype) for d, n in zip(digests, token_counts)]
         filled = 0
         for key, payload in zip(keys, self.fetch(keys)):
-            nbytes = object_bytes(key.num_tokens)
+            nbytes = key.payload_bytes
             if len(payload) != nbytes:
                 self._bump("miss_size", 1)
                 break

@@ -50,6 +50,12 @@ class TierKey:
         return (f"{namespace}:v{FORMAT}:{self.chunk_hash.hex()}:{self.dtype}:{kv}x{layers}x{heads}x{head_bytes}"
                 f":{self.num_tokens}")
 
+    @property
+    def payload_bytes(self) -> int:
+        """The object's size: ``kv * layers * heads * head_bytes`` per token."""
+        kv, layers, heads, head_bytes = self.shape
+        return kv * layers * heads * head_bytes * self.num_tokens
+
     def to_wire(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "rank": self.rank, "salt": self.salt,
                 "shape": list(self.shape), "dtype": self.dtype, "num_tokens": self.num_tokens,
@@ -73,18 +79,23 @@ class TierMiss(Exception):
         self.reason = reason
 
 
+def _checksum(packed_key: bytes | memoryview, payload: memoryview) -> int:
+    """XXH3-64 over the key, the payload's length and the payload."""
+    digest = xxhash.xxh3_64()
+    digest.update(packed_key)
+    digest.update(struct.pack("<Q", len(payload)))
+    digest.update(payload)
+    return digest.intdigest()
+
+
 def encode(key: TierKey, payload: bytes | memoryview) -> bytes:
     """The value to store for ``key``'s object."""
     packed_key = msgpack.packb(key.to_wire(), use_bin_type=True)
     if len(packed_key) > MAX_KEY_BYTES:
         raise ValueError(f"an L2 key packs to {len(packed_key)} bytes, more than {MAX_KEY_BYTES}")
     payload = memoryview(payload).cast("B")
-    digest = xxhash.xxh3_64()
-    digest.update(packed_key)
-    digest.update(struct.pack("<Q", len(payload)))
-    digest.update(payload)
     return b"".join((_HEAD.pack(MAGIC, FORMAT, len(packed_key)), packed_key,
-                     _TAIL.pack(len(payload), digest.intdigest()), payload))
+                     _TAIL.pack(len(payload), _checksum(packed_key, payload)), payload))
 
 
 def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
@@ -112,10 +123,6 @@ def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
     payload = data[key_end + _TAIL.size:]
     if len(payload) != payload_len:
         raise TierMiss(MissReason.LENGTH, f"payload of {len(payload)} bytes, its header says {payload_len}")
-    digest = xxhash.xxh3_64()
-    digest.update(packed_key)
-    digest.update(struct.pack("<Q", payload_len))
-    digest.update(payload)
-    if digest.intdigest() != checksum:
+    if _checksum(packed_key, payload) != checksum:
         raise TierMiss(MissReason.CHECKSUM, "the checksum does not match the key and payload")
     return payload
