@@ -45,12 +45,15 @@ class _Reservation:
 
     instance_id: int
     owner: bytes | None
-    request_id: str
+    key: CacheKey
+    """The STORE's key: its request, and the model shard that names the objects in the shared tier."""
     objects: list[tuple[StoredObject, int]]
     """(object, tokens)"""
     connection: Connection | None = None
-    key: CacheKey | None = None
-    """The STORE's key (its model shard names the objects in the shared tier)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
 
     @property
     def nbytes(self) -> int:
@@ -589,7 +592,7 @@ class CacheServer:
                     raise RequestError("this connection's lease has ended; send the request again")
                 rid = self._next_reservation
                 self._next_reservation += 1
-                self._reservations[rid] = _Reservation(instance_id, caller, ck.request_id, reserved, conn, ck)
+                self._reservations[rid] = _Reservation(instance_id, caller, ck, reserved, conn)
                 conn.reservations.add(rid)
                 conn.reserved_bytes += taken
         finally:
@@ -615,7 +618,7 @@ class CacheServer:
                 stored, stored_bytes = stored + count, stored_bytes + obj.nbytes
             else:
                 self.store.abandon(obj)
-        if landed and self.tier is not None and res.key is not None and res.objects:
+        if landed and self.tier is not None and res.objects:
             with self._lock:
                 inst = self._instances.get(res.instance_id)
             if inst is not None:
