@@ -403,15 +403,22 @@ def as_nobody():
             return False
         return probe.returncode == 0 and probe.stdout.split() == [str(NOBODY)]
 
-    for attempt in range(2):
-        for python in candidates:
-            if os.path.exists(python) and works(python):
-                return lambda code, *args, python=python: run(python, code, *args)
-        if attempt == 0:
-            # this environment's packages may lie where uid 65534 cannot read them (tox makes .tox/ 0700): a
-            # copy of what the client needs, readable by everyone, stands in for them
-            site_packages = readable_copy_of_client_packages(tempfile.mkdtemp(prefix="kvstrata-other-user-"))
-    pytest.skip("no Python that uid 65534 can run with this environment's pyzmq")
+    copy = None
+    try:
+        for attempt in range(2):
+            for python in candidates:
+                if os.path.exists(python) and works(python):
+                    yield lambda code, *args, python=python: run(python, code, *args)
+                    return
+            if attempt == 0:
+                # this environment's packages may lie where uid 65534 cannot read them (tox makes .tox/ 0700): a
+                # copy of what the client needs, readable by everyone, stands in for them (removed at the end)
+                copy = tempfile.mkdtemp(prefix="kvstrata-other-user-")
+                site_packages = readable_copy_of_client_packages(copy)
+        pytest.skip("no Python that uid 65534 can run with this environment's pyzmq")
+    finally:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def readable_copy_of_client_packages(directory) -> str:
