@@ -192,9 +192,16 @@ def format_tier(l2: dict | None) -> str:
     if not l2:
         return "off"
     misses = {k[len("miss_"):]: v for k, v in l2.items() if k.startswith("miss_") and v}
-    return (f"{l2['address']}: {l2.get('written', 0)} chunks written ({l2.get('write_skipped', 0)} skipped, "
-            f"{l2.get('write_failed', 0)} failed, {l2.get('write_queue_bytes', 0) >> 20} MiB queued), "
-            f"{l2.get('fetched', 0)} fetched, misses {misses or 'none'}")
+    nodes = l2.get("nodes") or []
+    held = sum(n.get("used_bytes", 0) for n in nodes) / (1 << 20)
+    down = [n["node"] for n in nodes if not n.get("reachable")]
+    asked, fetched = l2.get("asked", 0), l2.get("fetched", 0)
+    return (f"{l2['address']}: {len(nodes) - len(down)} of {len(nodes)} nodes answer"
+            f"{' (not: ' + ', '.join(down) + ')' if down else ''}, {held:.1f} MiB held; "
+            f"{fetched} of {asked} chunks asked past L1 fetched"
+            f"{f' ({100 * fetched / asked:.0f}%)' if asked else ''}, misses {misses or 'none'}; "
+            f"{l2.get('written', 0)} chunks written ({l2.get('write_skipped', 0)} skipped, "
+            f"{l2.get('write_failed', 0)} failed, {l2.get('write_queue_bytes', 0) >> 20} MiB queued)")
 
 
 def format_status(address: str, info: dict) -> str:

@@ -90,14 +90,15 @@ def _tier_metrics(tier: "SharedTier") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     stats = tier.stats()
-    for name, key, text in (("hits", "fetched", "Chunks read from the shared tier into L1"),
+    for name, key, text in (("asked", "asked", "Chunks past an L1 hit looked for in the shared tier"),
+                            ("hits", "fetched", "Chunks read from the shared tier into L1"),
                             ("read_bytes", "fetched_bytes", "Payload bytes read from the shared tier"),
                             ("written", "written", "Chunks written to the shared tier"),
                             ("written_bytes", "written_bytes", "Payload bytes written to the shared tier"),
                             ("write_skipped", "write_skipped", "Chunks not written: the write queue was full"),
                             ("write_failed", "write_failed", "Chunks whose write the tier did not take")):
         yield CounterMetricFamily(f"kvstrata_l2_{name}", text, value=stats.get(key, 0))
-    fam = CounterMetricFamily("kvstrata_l2_misses", "Chunks looked for in the shared tier and not used, by reason",
+    fam = CounterMetricFamily("kvstrata_l2_misses", "Fills from the shared tier cut short, by what ended them",
                               labels=["reason"])
     for key, n in sorted(stats.items()):
         if key.startswith("miss_"):
@@ -105,7 +106,7 @@ def _tier_metrics(tier: "SharedTier") -> Iterator[Any]:
     yield fam
     yield GaugeMetricFamily("kvstrata_l2_write_queue_bytes", "Bytes of chunks waiting to be written to the tier",
                             value=stats.get("write_queue_bytes", 0))
-    yield HistogramMetricFamily("kvstrata_l2_fetch_seconds", "One LOOKUP's read from the shared tier",
+    yield HistogramMetricFamily("kvstrata_l2_fetch_seconds", "One read of a batch of values from the shared tier",
                                 buckets=tier.fetch_seconds.buckets(), sum_value=tier.fetch_seconds.sum)
     yield HistogramMetricFamily("kvstrata_l2_write_seconds", "One batch written to the shared tier",
                                 buckets=tier.write_seconds.buckets(), sum_value=tier.write_seconds.sum)

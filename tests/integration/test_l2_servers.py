@@ -92,9 +92,15 @@ def test_what_one_host_stored_is_a_byte_exact_hit_on_another_that_never_saw_it(c
         assert b.l2()["fetched"] == CHUNKS
         from kvstrata.cli import format_status
 
+        deadline = time.monotonic() + BOUND
+        while len(b.l2()["nodes"]) < 3:  # the tier checks its nodes in the background, the first time at start
+            assert time.monotonic() < deadline, b.l2()
+            time.sleep(0.05)
         line = next(x for x in format_status(b.server.address, b.client.server_info()).splitlines()
                     if x.startswith("shared tier"))
-        assert f"{cluster.addresses}: 0 chunks written" in line and f"{CHUNKS} fetched, misses none" in line
+        assert f"{cluster.addresses}: 3 of 3 nodes answer, " in line, line
+        assert f"{CHUNKS} of {CHUNKS} chunks asked past L1 fetched (100%), misses none; 0 chunks written" in line, line
+        assert all(n["reachable"] and n["used_bytes"] > 0 and "values" in n for n in b.l2()["nodes"]), b.l2()["nodes"]
         import urllib.request
 
         port = b.client.server_info()["metrics_port"]

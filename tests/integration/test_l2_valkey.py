@@ -26,7 +26,7 @@ two seconds; this only catches a wait that never ends)."""
 
 def tier_key(i: int, model: str = "m") -> TierKey:
     return TierKey(model=model, world_size=1, rank=0, salt=None, shape=(2, 4, 2, 64), dtype="bfloat16",
-                   num_tokens=64, chunk_hash=i.to_bytes(4, "little") + os.urandom(28))
+                   num_tokens=64, chunk_hash=i.to_bytes(4, "little") + os.urandom(28), layers=(0, 4))
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,59 @@ def test_a_value_moved_by_a_resharding_is_found_through_ask_and_moved(tmp_path) 
             assert cluster.get_node_from_key(key.name()).port == target
         finally:
             tier.close()
+
+
+def test_a_fill_reads_every_layer_group_of_a_prefix_and_stops_at_the_first_chunk_missing_one(cluster) -> None:
+    """Objects of several layer groups each (16 MiB: four values) written behind from one host's pool read back
+    byte-exact into another's; with one layer group of the third chunk gone from the tier, the fill stops before
+    that chunk, and no object of it or after it is left in the pool, committed or reserved."""
+    from kvstrata.core.store.keys import CacheKey
+    from kvstrata.core.store.l1_store import L1Store
+    from kvstrata.core.store.l2.tier import SharedTier
+    from kvstrata.core.store.l2.value import layer_groups
+
+    shape, tokens, dtype = (2, 8, 8, 256), 512, "bfloat16"
+    nbytes, chunks = 2 * 8 * 8 * 256 * tokens, 5
+    assert len(layer_groups(shape, tokens)) == 4
+    key = CacheKey.for_tokens("r", list(range(chunks * tokens)), model="fill-model")
+    digests = key.chunk_hashes(tokens)[:chunks]
+    host_a, host_b = L1Store(2 * chunks * nbytes + (4 << 20)), L1Store(2 * chunks * nbytes + (4 << 20))
+    tier_a = SharedTier(open_backend(cluster.addresses), host_a)
+    tier_b = SharedTier(open_backend(cluster.addresses), host_b)
+    try:
+        stored = []
+        for d in digests:
+            obj = host_a.reserve(d, tokens, nbytes, shape)
+            host_a.object_bytes(obj)[:] = os.urandom(nbytes)
+            host_a.commit(obj)
+            stored.append(obj)
+        tier_a.offer_committed(key, dtype, stored)
+        assert tier_a.wait_written(BOUND) and tier_a.stats()["written"] == chunks
+
+        assert tier_b.fill(key, digests, [tokens] * chunks, shape, dtype) == chunks
+        found = host_b.lookup("r", digests, lock=False)
+        assert [bytes(host_b.object_bytes(o)) for o in found] == [bytes(host_a.object_bytes(o)) for o in stored]
+
+        other = CacheKey.for_tokens("r2", list(range(1, chunks * tokens + 1)), model="fill-model")
+        other_digests = other.chunk_hashes(tokens)[:chunks]
+        moved = []
+        for d, src in zip(other_digests, stored):
+            obj = host_a.reserve(d, tokens, nbytes, shape)
+            host_a.object_bytes(obj)[:] = host_a.object_bytes(src)
+            host_a.commit(obj)
+            moved.append(obj)
+        tier_a.offer_committed(other, dtype, moved)
+        assert tier_a.wait_written(BOUND)
+        gone = SharedTier.object_keys(other, other_digests[2], tokens, shape, dtype)[3]  # the third chunk's last group
+        tier_a.backend._cluster.delete(gone.name())
+        free_before = host_b.stats()["free_bytes"]
+        assert tier_b.fill(other, other_digests, [tokens] * chunks, shape, dtype) == 2
+        assert len(host_b.lookup("r2", other_digests, lock=False)) == 2
+        assert not any(host_b.is_pending(d) for d in other_digests)
+        assert host_b.stats()["free_bytes"] == free_before - 2 * nbytes  # the abandoned reservations gave their room back
+        assert tier_b.stats()["miss_absent"] == 1
+    finally:
+        tier_a.close()
+        tier_b.close()
+        host_a.close()
+        host_b.close()

@@ -25,6 +25,7 @@ class TierBackend(Protocol):
         """Store each value under its name (replacing what was there)."""
 
     def describe(self) -> dict[str, Any]:
-        """Its nodes and whether each answers, for ``kvstrata status``."""
+        """Its nodes, whether each answers, and what each holds (``used_bytes``, ``max_bytes``, ``values``), for
+        ``kvstrata status``; may take up to the timeout per node that does not answer."""
 
     def close(self) -> None: ...

@@ -92,11 +92,15 @@ class ValkeyBackend:
     def describe(self) -> dict[str, Any]:
         nodes = []
         for node in self._cluster.get_primaries():
+            entry: dict[str, Any] = {"node": f"{node.host}:{node.port}", "reachable": False}
             try:
-                reachable = bool(self._cluster.ping(target_nodes=node))
-            except Exception:  # noqa: BLE001
-                reachable = False
-            nodes.append({"node": f"{node.host}:{node.port}", "reachable": reachable})
+                memory = self._cluster.info("memory", target_nodes=node)
+                entry.update(reachable=True, used_bytes=int(memory.get("used_memory", 0)),
+                             max_bytes=int(memory.get("maxmemory", 0)),
+                             values=int(self._cluster.dbsize(target_nodes=node)))
+            except Exception:  # noqa: BLE001 - whatever keeps it from answering, it is not reachable
+                pass
+            nodes.append(entry)
         return {"backend": self.scheme, "nodes": nodes}
 
     def close(self) -> None:

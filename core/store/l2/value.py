@@ -1,4 +1,10 @@
-"""One L2 value: a chunk object with the header that proves what it is.
+"""One L2 value: one layer group of a chunk object, with the header that proves what it is.
+
+A chunk object is stored as several values, each holding a group of consecutive layers (both K and V of them),
+sized near :data:`VALUE_BYTES`: the store moves values of a few MiB fastest, and a reader that fetches the
+first layer group of every chunk before the second has the first layers of a whole prefix early. The grouping
+is a function of the object's shape and token count alone (:func:`layer_groups`), so every server reads the
+values any other wrote.
 
 A value is read by a server that did not write it, maybe of another version, maybe after a failover, a partial
 write or an operator's mistake. So a value carries its whole identity and a checksum in the same bytes as its
@@ -18,15 +24,28 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import msgpack
 import xxhash
 
 MAGIC = b"KVL2"
-FORMAT = 1
+FORMAT = 2
 _HEAD = struct.Struct("<4sHI")
 _TAIL = struct.Struct("<QQ")
 MAX_KEY_BYTES = 4096
+VALUE_BYTES = 4 << 20
+"""The payload size a layer group is made near (never more than one layer's K and V over, never less than one
+layer): part of the format, since readers and writers must group alike."""
+
+
+def layer_groups(shape: tuple[int, int, int, int], num_tokens: int) -> list[tuple[int, int]]:
+    """The layer groups ``[(first, end), ...]`` an object of ``shape`` and ``num_tokens`` is stored as: as few
+    as keep each near :data:`VALUE_BYTES`, of equal size to within one layer."""
+    kv, layers, heads, head_bytes = shape
+    layer_bytes = kv * heads * head_bytes * num_tokens
+    groups = min(layers, max(1, round(layers * layer_bytes / VALUE_BYTES)))
+    return [(i * layers // groups, (i + 1) * layers // groups) for i in range(groups)]
 
 
 @dataclass(frozen=True)
@@ -43,23 +62,42 @@ class TierKey:
     num_tokens: int
     chunk_hash: bytes
     """The L1 digest: the rolling hash of the chunk and everything before it."""
+    layers: tuple[int, int]
+    """The layer group ``[first, end)`` this value holds (one of :func:`layer_groups`)."""
 
     def name(self, namespace: str = "kvstrata") -> str:
-        """The store's key for this value: one per object, spread over a cluster by the chunk hash."""
+        """The store's key for this value: one per layer group of an object, spread over a cluster by the
+        chunk hash and the group."""
         kv, layers, heads, head_bytes = self.shape
+        first, end = self.layers
         return (f"{namespace}:v{FORMAT}:{self.chunk_hash.hex()}:{self.dtype}:{kv}x{layers}x{heads}x{head_bytes}"
-                f":{self.num_tokens}")
+                f":{self.num_tokens}:L{first}-{end}")
 
     @property
     def payload_bytes(self) -> int:
-        """The object's size: ``kv * layers * heads * head_bytes`` per token."""
+        """The value's payload: ``kv * heads * head_bytes`` per token and layer of its group."""
+        kv, _, heads, head_bytes = self.shape
+        first, end = self.layers
+        return kv * (end - first) * heads * head_bytes * self.num_tokens
+
+    @property
+    def object_bytes(self) -> int:
+        """The whole object's size (every layer group)."""
         kv, layers, heads, head_bytes = self.shape
         return kv * layers * heads * head_bytes * self.num_tokens
+
+    def payload_ranges(self) -> list[tuple[int, int]]:
+        """Where the payload's bytes lie in the object (``[kv, layer, token, head, head_bytes]``), in the
+        payload's order: the group's layers of K, then of V."""
+        kv, layers, heads, head_bytes = self.shape
+        layer_bytes = heads * head_bytes * self.num_tokens
+        first, end = self.layers
+        return [((k * layers + first) * layer_bytes, (k * layers + end) * layer_bytes) for k in range(kv)]
 
     def to_wire(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "rank": self.rank, "salt": self.salt,
                 "shape": list(self.shape), "dtype": self.dtype, "num_tokens": self.num_tokens,
-                "chunk_hash": self.chunk_hash}
+                "chunk_hash": self.chunk_hash, "layers": list(self.layers)}
 
 
 class MissReason(str, enum.Enum):
@@ -79,23 +117,25 @@ class TierMiss(Exception):
         self.reason = reason
 
 
-def _checksum(packed_key: bytes | memoryview, payload: memoryview) -> int:
-    """XXH3-64 over the key, the payload's length and the payload."""
+def _checksum(packed_key: bytes | memoryview, parts: Sequence[memoryview]) -> int:
+    """XXH3-64 over the key, the payload's length and the payload (given in parts)."""
     digest = xxhash.xxh3_64()
     digest.update(packed_key)
-    digest.update(struct.pack("<Q", len(payload)))
-    digest.update(payload)
+    digest.update(struct.pack("<Q", sum(len(p) for p in parts)))
+    for part in parts:
+        digest.update(part)
     return digest.intdigest()
 
 
-def encode(key: TierKey, payload: bytes | memoryview) -> bytes:
-    """The value to store for ``key``'s object."""
+def encode(key: TierKey, *payload: bytes | memoryview) -> bytes:
+    """The value to store for ``key``'s layer group, whose payload is the concatenation of ``payload``'s
+    parts (an object's K and V ranges, :meth:`TierKey.payload_ranges`, need no copy to be joined first)."""
     packed_key = msgpack.packb(key.to_wire(), use_bin_type=True)
     if len(packed_key) > MAX_KEY_BYTES:
         raise ValueError(f"an L2 key packs to {len(packed_key)} bytes, more than {MAX_KEY_BYTES}")
-    payload = memoryview(payload).cast("B")
+    parts = [memoryview(p).cast("B") for p in payload]
     return b"".join((_HEAD.pack(MAGIC, FORMAT, len(packed_key)), packed_key,
-                     _TAIL.pack(len(payload), _checksum(packed_key, payload)), payload))
+                     _TAIL.pack(sum(len(p) for p in parts), _checksum(packed_key, parts)), *parts))
 
 
 def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
@@ -123,6 +163,6 @@ def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
     payload = data[key_end + _TAIL.size:]
     if len(payload) != payload_len:
         raise TierMiss(MissReason.LENGTH, f"payload of {len(payload)} bytes, its header says {payload_len}")
-    if _checksum(packed_key, payload) != checksum:
+    if _checksum(packed_key, [payload]) != checksum:
         raise TierMiss(MissReason.CHECKSUM, "the checksum does not match the key and payload")
     return payload

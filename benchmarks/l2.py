@@ -2,14 +2,15 @@
 the tier costs a STORE.
 
 * Fetch: a prefix of ``--gib`` GiB of chunk objects (Llama-3.1-8B's KV shape, ``--chunk`` tokens a chunk)
-  is written to a three-node cluster on loopback; then, in this process, the client's own pipelined GETs of
-  the same values (``mget_nonatomic``: the limit on this transport) against ``SharedTier.fill`` (the same GETs,
-  the header and checksum check, and the copy into a fresh L1 pool). Both arms run ``--reps`` times,
-  alternating.
+  is written to a three-node cluster on loopback as the tier stores it (one value per layer group); then, in
+  this process, the client's own pipelined GETs of the same values (``mget_nonatomic``, in pipelines of the
+  size the tier's reads use: the limit on this transport) against ``SharedTier.fill`` (the same values read in batches, the header and checksum check, and
+  the copy into a fresh L1 pool, every byte checked after). A third arm GETs the same bytes stored as one value
+  per chunk object, the format the layer groups replaced. The arms run ``--reps`` times, in turn.
 * Store: a ``kvstrata serve`` with and one without ``--l2`` each STORE the same-size prompt from the reference
   engine (server placement: the server gathers the chunks); arms alternate, a fresh prompt each time.
 
-    python benchmarks/l2_tier.py --gib 1 --out benchmarks/results/l2-tier-cpu.json
+    python benchmarks/l2.py --gib 1 --out benchmarks/results/l2-cpu.json
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def fetch_arms(cluster, gib: float, chunk: int, reps: int) -> dict:
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.core.store.l1_store import L1Store
     from kvstrata.core.store.l2.choose_backend import open_backend
-    from kvstrata.core.store.l2.tier import SharedTier
+    from kvstrata.core.store.l2.tier import FETCH_BATCH_BYTES, SharedTier
     from kvstrata.core.store.l2.value import encode
     layout = ReferenceEngine(SHAPE, num_blocks=1, block_size=16).layout
     nbytes = layout.object_bytes(chunk)
@@ -45,35 +46,46 @@ def fetch_arms(cluster, gib: float, chunk: int, reps: int) -> dict:
     digests = key.chunk_hashes(chunk)[:n]
     backend = open_backend(cluster.addresses, timeout=30.0)
     shape, dtype = layout.shape_signature(), layout.dtype
-    keys = [SharedTier.key(key, d, chunk, shape, dtype) for d in digests]
+    keys = [k for d in digests for k in SharedTier.object_keys(key, d, chunk, shape, dtype)]
     payload = os.urandom(nbytes)
-    for i in range(0, n, 16):
-        backend.set_many([(k.name(), encode(k, payload)) for k in keys[i:i + 16]])
+    for i in range(0, len(keys), 16):
+        backend.set_many([(k.name(), encode(k, *(memoryview(payload)[a:b] for a, b in k.payload_ranges())))
+                          for k in keys[i:i + 16]])
     names = [k.name() for k in keys]
-    raw, tier_s = [], []
+    # the same bytes as one value per chunk object: what the layer groups are measured against
+    whole = [f"bench-whole:{d.hex()}" for d in digests]
+    for i in range(0, n, 4):
+        backend.set_many([(name, payload) for name in whole[i:i + 4]])
+    arms: dict[str, list[float]] = {"raw_get": [], "raw_get_whole_objects": [], "tier_fill": []}
     for rep in range(reps + 1):
-        started = time.perf_counter()
-        values = backend.get_many(names)
-        raw_t = time.perf_counter() - started
-        assert all(v is not None and len(v) > nbytes for v in values)
-        del values
+        timed = {}
+        for arm, asked in (("raw_get", names), ("raw_get_whole_objects", whole)):
+            per_batch = max(1, FETCH_BATCH_BYTES // (n * nbytes // len(asked)))  # as the tier's reads are cut
+            got = 0
+            started = time.perf_counter()
+            for i in range(0, len(asked), per_batch):
+                values = backend.get_many(asked[i:i + per_batch])
+                got += sum(len(v) for v in values if v is not None)
+                del values
+            timed[arm] = time.perf_counter() - started
+            assert got >= n * nbytes
         store = L1Store(n * nbytes + (16 << 20))
         tier = SharedTier(open_backend(cluster.addresses, timeout=30.0), store)
         tier.backend.get_many(names[:1] + names[-1:])  # its connections open before the clock starts, as raw's did
         started = time.perf_counter()
         filled = tier.fill(key, digests, [chunk] * n, shape, dtype)
-        tier_t = time.perf_counter() - started
+        timed["tier_fill"] = time.perf_counter() - started
         assert filled == n, f"filled {filled} of {n}: {tier.stats()}"
+        assert all(bytes(store.object_bytes(o)) == payload for o in store.lookup("bench", digests, lock=False))
         tier.close()
         store.close()
         if rep:  # the first of each is a warm-up
-            raw.append(raw_t)
-            tier_s.append(tier_t)
+            for arm, t in timed.items():
+                arms[arm].append(t)
     total = n * nbytes
-    out = {"chunks": n, "chunk_bytes": nbytes, "bytes": total,
-           "raw_get_s": [round(t, 4) for t in raw], "tier_fill_s": [round(t, 4) for t in tier_s],
-           "raw_get_gb_s": round(total / statistics.median(raw) / 1e9, 3),
-           "tier_fill_gb_s": round(total / statistics.median(tier_s) / 1e9, 3)}
+    out = {"chunks": n, "chunk_bytes": nbytes, "values": len(keys), "value_bytes": keys[0].payload_bytes,
+           "bytes": total, **{f"{arm}_s": [round(t, 4) for t in ts] for arm, ts in arms.items()},
+           **{f"{arm}_gb_s": round(total / statistics.median(ts) / 1e9, 3) for arm, ts in arms.items()}}
     out["fill_vs_raw"] = round(out["tier_fill_gb_s"] / out["raw_get_gb_s"], 3)
     backend.close()
     return out
@@ -140,19 +152,20 @@ def main() -> int:
     from kvstrata_testing.valkey_cluster import ValkeyCluster
 
     with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"),
-                       maxmemory=f"{int(3 * args.gib * 1024) + 512}mb") as cluster:
+                       maxmemory=f"{int(4 * args.gib * 1024) + 512}mb") as cluster:
         fetch = store = None
         if "fetch" in arms:
             fetch = fetch_arms(cluster, args.gib, args.chunk, args.reps)
             print(f"fetch {fetch['bytes'] >> 20} MiB in {fetch['chunks']} chunks: raw pipelined GETs "
-                  f"{fetch['raw_get_gb_s']} GB/s, into L1 through the tier {fetch['tier_fill_gb_s']} GB/s "
+                  f"{fetch['raw_get_gb_s']} GB/s ({fetch['raw_get_whole_objects_gb_s']} GB/s as whole-object values), "
+                  f"into L1 through the tier {fetch['tier_fill_gb_s']} GB/s "
                   f"({fetch['fill_vs_raw']}x; target 0.85x)", flush=True)
         if "store" in arms:
             store = store_arms(cluster, args.gib, args.chunk, args.reps)
             print(f"store {store['bytes'] >> 20} MiB: with --l2 {statistics.median(store['with_l2_s']):.3f} s, "
                   f"without {statistics.median(store['without_s']):.3f} s ({store['store_with_l2_vs_without']}x; target "
                   "1.05x)")
-    result = {"benchmark": "l2_tier", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+    result = {"benchmark": "l2", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                   "platform": platform.platform()},
               "config": vars(args), "fetch": fetch, "store": store}
     if args.out:
