@@ -34,6 +34,7 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, QueuedLoad, TransferQueue
 from kvstrata.core.shm import Segment
 from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.store.l1_store import split_generation_table
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PagedKVLayout
 from kvstrata.core.transfer.planner import SliceObserver
@@ -85,7 +86,7 @@ class EnginePlacement(Placement):
         """The steps of the last :meth:`store`."""
         self._l1_pool: Segment | None = None
         self._generation_segment: Segment | None = None
-        self._generations: np.ndarray | None = None
+        self._generations: tuple[np.ndarray, np.ndarray] | None = None
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
@@ -164,15 +165,17 @@ class EnginePlacement(Placement):
             self._l1_tensor, self._l1_pool = tensor, seg
         return self._l1_tensor
 
-    def _generations_for(self, pool: dict[str, Any]) -> np.ndarray:
-        """The generation table of the pool a reply names, mapped read-only (again after a server restart)."""
+    def _generations_for(self, pool: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The generation words and the landed words of the pool a reply names, mapped read-only (again after a
+        server restart)."""
         ref = pool["generations"]
         with self._pool_lock:
             if self._generation_segment is None or self._generation_segment.name != ref["name"]:
-                seg = Segment.attach(str(ref["name"]), int(ref["slots"]) * 8, readonly=True)
+                slots = int(ref["slots"])
+                seg = Segment.attach(str(ref["name"]), slots * 16, readonly=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # read-only: this process never writes a word
-                    table = np.frombuffer(seg.buf, dtype=np.uint64, count=int(ref["slots"]))
+                    table = split_generation_table(np.frombuffer(seg.buf, dtype=np.uint64, count=2 * slots), slots)
                 old, self._generation_segment, self._generations = self._generation_segment, seg, table
                 if old is not None:
                     old.close()

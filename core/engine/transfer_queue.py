@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 from kvstrata.core.arrival.events import LocalCopier
 from kvstrata.core.arrival.gate import LayerArrivalGate
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.store.l1_store import generations_unchanged
+from kvstrata.core.store.l1_store import FillFailed, generations_unchanged, layers_landed
 from kvstrata.core.transfer import planner
 from kvstrata.core.transfer.block_table import BlockTable
 from kvstrata.core.transfer.layouts import PagedKVLayout
@@ -111,6 +111,11 @@ class QueuedLoad:
     copy has run, before the engine is told it landed."""
     generations: Any = None
     """The pool's generation table (read-only words)."""
+    landed: Any = None
+    """The pool's landed words (read-only): how many leading layers of each object are in the pool."""
+    filling: bool = False
+    """Some object it copies from was still filling from the shared tier when it was located: each slice
+    waits for its layers to land (:meth:`TransferQueue._wait_landed`)."""
 
     @property
     def request_id(self) -> str:
@@ -139,7 +144,7 @@ class TransferQueue:
                  enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES,
                  slice_observer: planner.SliceObserver | None = None) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
-        server restarted with a new pool); ``generations_for(pool)``: that pool's generation table, mapped
+        server restarted with a new pool); ``generations_for(pool)``: that pool's generation and landed words, mapped
         read-only. ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``handover_slices``: see :data:`HANDOVER_SLICES` (1: the first layer wait,
         what ``benchmarks/ttft.py``'s ``-handover1`` arms measure against). ``enqueue_ahead_bytes``: see
@@ -238,10 +243,11 @@ class TransferQueue:
         reply = self.client.transport.wait(load.reply, timeout=self.retrieve_timeout)
         load.record.located_at = time.perf_counter()
         load.copier = self._copier_for(reply["pool"])
-        load.generations = self._generations_for(reply["pool"])
+        load.generations, load.landed = self._generations_for(reply["pool"])
         rows = reply["objects"]
         spans = [(int(row[0]), int(row[2])) for row in rows]
         load.sources = [(int(row[3]), int(row[4])) for row in rows]
+        load.filling = layers_landed(load.landed, [slot for slot, _ in load.sources]) < self.layout.num_layers
         copies = planner.plan_copies([t for _, t in spans], self._chunk_size(), 0, load.skip_first_n_tokens)
         load.job = planner.TransferJob(self.layout, load.block_ids, copies)
         load.retrieved_tokens = load.job.num_tokens
@@ -255,6 +261,8 @@ class TransferQueue:
         try:
             if load.gate.failure:  # the engine gave up on this load: write no further slice
                 raise TransferAborted(load.gate.failure)
+            if load.filling:
+                self._wait_landed(load, start + count)
             planner.enqueue_slice(load.executor, load.job, load.layers_per_slice, load.next_slice, load.request_id,
                                   self._slice_observer)
             completion = load.copier.mark_slice(load.executor)
@@ -315,6 +323,23 @@ class TransferQueue:
                 if load.gate.wait_released(RELEASE_HANDOVER_S):
                     load.gate.wait_slices_waited(wanted, max(0.0, deadline - time.monotonic()))
                 awaiting.remove(load)
+
+    def _wait_landed(self, load: QueuedLoad, layers: int) -> None:
+        """Wait (without the GIL between looks) until the first ``layers`` layers of every object ``load`` copies
+        from are in the pool; raises :class:`FillFailed` if a fill failed, TimeoutError after the load's
+        retrieve timeout."""
+        slots = [slot for slot, _ in load.sources]
+        deadline = time.monotonic() + self.retrieve_timeout
+        while layers_landed(load.landed, slots) < layers:
+            if not generations_unchanged(load.generations, load.sources):
+                raise FillFailed(f"a chunk request {load.request_id} loads did not arrive whole from the shared "
+                                 "tier; its blocks are recomputed")
+            if load.gate.failure:
+                raise TransferAborted(load.gate.failure)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"layers {layers} of request {load.request_id}'s chunks still arriving from the "
+                                   f"shared tier after {self.retrieve_timeout:g} s")
+            time.sleep(LANDING_POLL_S)
 
     @staticmethod
     def _check_sources(load: QueuedLoad) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from kvstrata.core.transfer import planner
 from kvstrata.core.arrival.board import ArrivalBoard, pack
 from kvstrata.core.store.keys import CacheKey
-from kvstrata.core.store.l1_store import L1Store, StoreFull, StoredObject
+from kvstrata.core.store.l1_store import FILL_WAIT_S, L1Store, StoreFull, StoredObject
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, LayoutError, PagedKVLayout
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.server.config import ServerConfig
@@ -436,6 +436,7 @@ class CacheServer:
         """The L1 pool as an engine maps it: the segment's name and size, and its generation table's."""
         return {"name": self.store.segment.name, "size": self.store.capacity,
                 "generations": {"name": self.store.generation_segment.name, "slots": self.store.max_objects}}
+        # the segment holds 2 * slots words: the generations, then the landed words (l1_store)
 
     def free_lookup_locks(self, request_id: str) -> int:
         """Release the lookup locks of lock owner ``request_id`` (a request's, or one rank's of it); how many."""
@@ -786,7 +787,8 @@ class CacheServer:
         started = time.perf_counter()
         executor = target.executor(objects)
         try:
-            planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id, self._slice_observer)
+            planner.run_transfer(executor, job, width, on_layer_batch, ck.request_id, self._slice_observer,
+                                 self._layers_needed(objects))
         finally:
             executor.close()
         if plan.end_events is not None:
@@ -807,6 +809,13 @@ class CacheServer:
             return reply
 
         return done, settle
+
+    def _layers_needed(self, objects: list[StoredObject]) -> planner.LayersNeeded | None:
+        """A retrieve's wait for the layers of objects still filling from the shared tier (None: none is; one
+        whose fill failed already fails the retrieve at its first slice)."""
+        if not any(o.filling or o.failed for o in objects):
+            return None
+        return lambda layers: self.store.wait_landed(objects, layers, FILL_WAIT_S)
 
     def _end_signals(self, board: ArrivalBoard | None, board_ref: dict[str, Any] | None, num_layers: int,
                      reply: dict[str, Any]) -> list[HostSignal]:

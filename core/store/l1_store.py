@@ -23,6 +23,16 @@ engines) holding the object's generation while it lives; the word is cleared
 before the object's memory can be handed to another object. A reader that noted
 (slot, generation) before its copy and finds the word unchanged after it knows
 the bytes it copied were the object's (:func:`generations_unchanged`).
+
+Filling: an object brought in from the shared tier is published (visible to
+LOOKUP, locked by its fill) before all its bytes are in, so that a load can start
+on its first layers while the rest still arrive. A second table beside the
+generations, the *landed* words, says per slot how many leading layers (K and V)
+are in the pool (:data:`ALL_LAYERS` for every object not filling); a reader waits
+for the layers it copies next (:meth:`L1Store.wait_landed` in the server,
+:func:`layers_landed` in an engine). A fill that fails clears the object's
+generation word, so a reader waiting on it, or one that copied from it, fails;
+the object leaves the index once its last lock goes.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -42,10 +52,19 @@ from kvstrata.core.shm import Segment
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 512
+ALL_LAYERS = np.uint64(2**64 - 1)
+"""The landed word of an object whose every layer is in the pool."""
+FILL_WAIT_S = 120.0
+"""How long a reader waits at most for a filling object's next layers: only a backstop, since every fill ends
+(complete or failed) by itself, each of its reads bounded by the shared tier's timeout."""
 
 
 class StoreFull(RuntimeError):
     """No room for an object even after evicting everything unlocked."""
+
+
+class FillFailed(RuntimeError):
+    """An object a load waited on did not arrive whole from the shared tier: the engine recomputes its blocks."""
 
 
 @dataclass
@@ -62,6 +81,10 @@ class StoredObject:
     """Its word in the generation table."""
     generation: int = 0
     """What that word holds while this object lives (never 0)."""
+    filling: bool = False
+    """Published while its layers still arrive from the shared tier (its landed word says how many have)."""
+    failed: bool = False
+    """Its fill failed: no LOOKUP finds it, and it is freed once its last lock goes."""
 
 
 def object_view(pool: torch.Tensor, obj: StoredObject) -> torch.Tensor:
@@ -82,6 +105,19 @@ def span_view(pool: torch.Tensor, shape_signature: tuple[int, int, int, int], of
         raise ValueError(f"L1 object at offset {offset} with {num_tokens} tokens lies outside the "
                          f"{pool.numel()}-byte pool")
     return pool[offset:offset + nbytes].view(kv, layers, num_tokens, heads, head_bytes)
+
+
+def split_generation_table(words: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The generation words and the landed words of a generation table segment's ``2 * slots`` words."""
+    return words[:slots], words[slots:2 * slots]
+
+
+def layers_landed(landed: np.ndarray, slots: "Sequence[int]") -> int:
+    """How many leading layers are in the pool for every object at ``slots`` (a landed table's words; the
+    largest uint64 where every layer of each is)."""
+    if not len(slots):
+        return int(ALL_LAYERS)
+    return int(landed[np.asarray(slots, dtype=np.int64)].min())
 
 
 def generations_unchanged(table: np.ndarray, rows: "Iterable[tuple[int, int]]") -> bool:
@@ -154,11 +190,12 @@ class L1Store:
         self.pool = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self.max_objects = max_objects or max(1024, capacity_bytes >> 12)
         try:
-            self.generation_segment = Segment.create("l1gen", self.max_objects * 8)
+            self.generation_segment = Segment.create("l1gen", self.max_objects * 16)
         except BaseException:
             self.segment.destroy()
             raise
-        self.generations = np.frombuffer(self.generation_segment.buf, dtype=np.uint64)
+        self.generations, self.landed = split_generation_table(
+            np.frombuffer(self.generation_segment.buf, dtype=np.uint64), self.max_objects)
         self._free_slots = list(range(self.max_objects - 1, -1, -1))
         self._next_generation = 1
         self._free = _FreeList(capacity_bytes)
@@ -167,6 +204,7 @@ class L1Store:
         self._holders: dict[str, object] = {}
         """Lock owner -> the connection holding its locks (see the module docstring)."""
         self._lock = threading.RLock()
+        self._landed_changed = threading.Condition(self._lock)
         self.evictions = 0
 
     # --- views -----------------------------------------------------------------------
@@ -229,6 +267,7 @@ class L1Store:
         with self._lock:
             for obj in objects:
                 obj.locks -= 1
+                self._free_if_failed(obj)
 
     def release_locks(self, request_id: str) -> int:
         """Release every lookup lock request_id holds; returns how many."""
@@ -243,6 +282,7 @@ class L1Store:
                 if obj is not None:
                     obj.locks -= count
                     n += count
+                    self._free_if_failed(obj)
             return n
 
     # --- allocation ------------------------------------------------------------------
@@ -257,7 +297,10 @@ class L1Store:
         if nbytes > self.capacity:
             raise StoreFull(f"an object of {nbytes} bytes is larger than the whole L1 pool ({self.capacity})")
         with self._lock:
-            if digest in self._objects:
+            held = self._objects.get(digest)
+            if held is not None and held.failed and held.locks == 0:
+                self._free_object(held)
+            elif held is not None:
                 self._objects.move_to_end(digest)
                 return None
             while not self._free_slots:
@@ -275,6 +318,7 @@ class L1Store:
             generation = self._next_generation
             self._next_generation += 1
             self.generations[slot] = generation
+            self.landed[slot] = 0
             obj = StoredObject(digest, offset, nbytes, num_tokens, shape_signature, locks=1, slot=slot,
                                generation=generation)
             self._objects[digest] = obj
@@ -296,8 +340,57 @@ class L1Store:
 
     def commit(self, obj: StoredObject) -> None:
         with self._lock:
+            self.landed[obj.slot] = ALL_LAYERS
             obj.committed = True
             obj.locks -= 1
+
+    # --- filling from the shared tier ------------------------------------------------
+
+    def publish_filling(self, obj: StoredObject) -> None:
+        """Make a reserved object visible to LOOKUP before its bytes are in; its fill keeps the reservation's
+        lock until :meth:`end_fill`, and says what has landed with :meth:`set_landed`."""
+        with self._lock:
+            obj.committed = True
+            obj.filling = True
+
+    def set_landed(self, obj: StoredObject, layers: int) -> None:
+        """The first ``layers`` layers (K and V) of a filling object are in the pool."""
+        with self._landed_changed:
+            self.landed[obj.slot] = layers
+            self._landed_changed.notify_all()
+
+    def end_fill(self, obj: StoredObject, complete: bool) -> None:
+        """A fill is over: with every layer in (``complete``) the object is like any other; else it fails (its
+        generation word is cleared, no LOOKUP finds it, and it is freed once its last lock goes)."""
+        with self._landed_changed:
+            obj.filling = False
+            if complete:
+                self.landed[obj.slot] = ALL_LAYERS
+            else:
+                obj.committed = False
+                obj.failed = True
+                self.generations[obj.slot] = 0
+            obj.locks -= 1
+            self._free_if_failed(obj)
+            self._landed_changed.notify_all()
+
+    def wait_landed(self, objects: Sequence[StoredObject], layers: int, timeout: float) -> None:
+        """Wait until the first ``layers`` layers of every one of ``objects`` are in the pool; raises
+        :class:`FillFailed` if a fill failed, TimeoutError after ``timeout`` seconds."""
+        def ready() -> bool:
+            return any(o.failed for o in objects) or all(int(self.landed[o.slot]) >= layers for o in objects)
+
+        with self._landed_changed:
+            if not self._landed_changed.wait_for(ready, timeout):
+                raise TimeoutError(f"layers of {len(objects)} chunks still arriving from the shared tier after "
+                                   f"{timeout:g} s")
+            failed = [o for o in objects if o.failed]
+        if failed:
+            raise FillFailed(f"chunk {failed[0].digest.hex()[:12]} did not arrive whole from the shared tier")
+
+    def _free_if_failed(self, obj: StoredObject) -> None:
+        if obj.failed and obj.locks == 0 and self._objects.get(obj.digest) is obj:
+            self._free_object(obj)
 
     def abandon(self, obj: StoredObject) -> None:
         """Drop a reserved object whose bytes never arrived."""
@@ -307,7 +400,7 @@ class L1Store:
 
     def _evict_one(self) -> bool:
         for obj in self._objects.values():
-            if obj.locks == 0 and obj.committed:
+            if obj.locks == 0 and (obj.committed or obj.failed):
                 self._free_object(obj)
                 self.evictions += 1
                 return True

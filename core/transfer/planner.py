@@ -148,9 +148,17 @@ def slice_published(request_id: str, index: int, observer: SliceObserver | None 
         observer(request_id, index + 1)
 
 
+LayersNeeded = Callable[[int], None]
+"""Called before a slice is enqueued with how many leading layers of its objects it reads (the slice's end):
+returns once they are in the pool (an object filling from the shared tier), raises if they never will be."""
+
+
 def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLayerBatch | None = None,
-                    request_id: str = "", observer: SliceObserver | None = None) -> None:
+                    request_id: str = "", observer: SliceObserver | None = None,
+                    layers_needed: LayersNeeded | None = None) -> None:
     """The default path: one all-layer launch. ``on_layer_batch`` sees one batch of every layer."""
+    if layers_needed is not None:
+        layers_needed(job.layout.num_layers)
     enqueue_slice(executor, job, 0, 0, request_id, observer)
     if on_layer_batch is not None:
         on_layer_batch(0, job.layout.num_layers)
@@ -158,7 +166,8 @@ def run_chunk_major(executor: Executor, job: TransferJob, on_layer_batch: OnLaye
 
 
 def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
-                    on_layer_batch: OnLayerBatch, request_id: str = "", observer: SliceObserver | None = None) -> None:
+                    on_layer_batch: OnLayerBatch, request_id: str = "", observer: SliceObserver | None = None,
+                    layers_needed: LayersNeeded | None = None) -> None:
     """Issue one executor call per layer slice, calling back after each.
 
     Deliberately narrower than chunk-major: one KV group only (the caller falls
@@ -167,6 +176,8 @@ def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
     if layers_per_slice <= 0:
         raise ValueError("run_layer_major needs layers_per_slice > 0; 0 is the chunk-major path")
     for index, (start, count) in enumerate(layer_slices(job.layout.num_layers, layers_per_slice)):
+        if layers_needed is not None:
+            layers_needed(start + count)
         enqueue_slice(executor, job, layers_per_slice, index, request_id, observer)
         on_layer_batch(start, count)
         slice_published(request_id, index, observer)
@@ -174,13 +185,15 @@ def run_layer_major(executor: Executor, job: TransferJob, layers_per_slice: int,
 
 def run_transfer(executor: Executor, job: TransferJob, layers_per_slice: int,
                  on_layer_batch: OnLayerBatch | None = None, request_id: str = "",
-                 observer: SliceObserver | None = None) -> None:
+                 observer: SliceObserver | None = None, layers_needed: LayersNeeded | None = None) -> None:
     """Layer-major when ``layers_per_slice > 0``, else chunk-major. ``request_id`` names the transfer to
-    ``observer`` (see :data:`SliceObserver`); nothing else reads it."""
+    ``observer`` (see :data:`SliceObserver`); nothing else reads it. ``layers_needed``: see
+    :data:`LayersNeeded` (None: every object's bytes are in)."""
     if layers_per_slice > 0:
-        run_layer_major(executor, job, layers_per_slice, on_layer_batch or (lambda s, c: None), request_id, observer)
+        run_layer_major(executor, job, layers_per_slice, on_layer_batch or (lambda s, c: None), request_id, observer,
+                        layers_needed)
     else:
-        run_chunk_major(executor, job, on_layer_batch, request_id, observer)
+        run_chunk_major(executor, job, on_layer_batch, request_id, observer, layers_needed)
 
 
 def layer_major_fallback_reason(layout: PagedKVLayout, *, sliceable: bool = True,

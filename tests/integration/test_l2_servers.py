@@ -15,6 +15,8 @@ pytest.importorskip("xxhash", reason="the shared tier's checksum (pip install kv
 
 from kvstrata.adapters.reference.engine import ReferenceEngine  # noqa: E402
 from kvstrata.core.engine.requests import lock_owner  # noqa: E402
+from kvstrata.adapters.reference.engine import ModelShape  # noqa: E402
+from kvstrata.core.engine.engine_placement import EnginePlacement  # noqa: E402
 from kvstrata.core.engine.server_placement import ServerPlacement  # noqa: E402
 from kvstrata.core.store.keys import CacheKey  # noqa: E402
 from kvstrata.core.wire.client import CacheClient  # noqa: E402
@@ -38,11 +40,16 @@ def cluster(tmp_path_factory):
 class Host:
     """One host: a server with its own pool on the shared tier, and the reference engine registered on it."""
 
-    def __init__(self, l2: str, *extra: str) -> None:
-        self.server = ServerProcess(l1_bytes=32 << 20, chunk_size=CHUNK, extra_args=["--l2", l2, *extra]).start()
+    def __init__(self, l2: str, *extra: str, shape=SMALL_32, chunk: int = CHUNK, tokens: int = TOKENS,
+                 placement: str = "server", l1_bytes: int = 32 << 20) -> None:
+        self.server = ServerProcess(l1_bytes=l1_bytes, chunk_size=chunk, extra_args=["--l2", l2, *extra]).start()
         self.client = CacheClient(self.server.address, timeout=30.0)
-        self.engine = ReferenceEngine(SMALL_32, num_blocks=2 * TOKENS // 16 + 4, block_size=16)
-        self.worker = ServerPlacement(self.client, 0, self.engine.layout)
+        self.shape = shape
+        self.engine = ReferenceEngine(shape, num_blocks=2 * tokens // 16 + 4, block_size=16)
+        if placement == "server":
+            self.worker = ServerPlacement(self.client, 0, self.engine.layout)
+        else:
+            self.worker = EnginePlacement(self.client, 0, self.engine.layout, local_regions=self.engine.regions)
         self.worker.register()
 
     def store(self, prompt: list[int]) -> dict:
@@ -61,16 +68,18 @@ class Host:
             assert time.monotonic() < deadline, f"the server never wrote {chunks} chunks: {self.l2()}"
             time.sleep(0.02)
 
-    def load(self, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
-        """LOOKUP as the engine's scheduler does (the lock owner names the instance), then load what hit."""
+    def load(self, rid: str, prompt: list[int], fails: bool = False, layers_per_slice: int = 0) -> tuple[int, list[int]]:
+        """LOOKUP as the engine's scheduler does (the lock owner names the instance), then load what hit; the
+        load must fail (reported to the engine, which recomputes) where ``fails`` says so."""
         key = CacheKey.for_tokens(lock_owner(rid, 0), prompt, model="m")
         hit = self.client.lookup(key)
         dst = self.engine.allocate(len(prompt))
         self.engine.clear(dst)
         if hit:
-            self.worker.submit_retrieve(rid, key.prefix(hit), [dst])
-            engine_loop(self.worker, rid, SMALL_32.num_layers)
-            assert self.worker.records[rid].failure is None
+            self.worker.submit_retrieve(rid, key.prefix(hit), [dst], layers_per_slice=layers_per_slice)
+            engine_loop(self.worker, rid, self.shape.num_layers)
+            failure = self.worker.records[rid].failure
+            assert (failure is not None) == fails, failure
         return hit, dst
 
     def close(self) -> None:
@@ -119,6 +128,37 @@ def test_what_one_host_stored_is_a_byte_exact_hit_on_another_that_never_saw_it(c
         b.close()
 
 
+WIDE = ModelShape(num_layers=8, kv_size=2, num_heads=8, head_size=128, dtype="bfloat16")
+"""32 KiB of KV a token: a 256-token chunk is 8 MiB, two layer groups (values) of the tier."""
+
+
+@pytest.mark.parametrize("placement", ["server", "engine"])
+@pytest.mark.parametrize("layers_per_slice", [0, 1, 3])
+def test_a_hit_streamed_from_the_tier_loads_byte_exact_in_either_placement(cluster, placement,
+                                                                           layers_per_slice) -> None:
+    """Chunks of two layer groups each, stored through server A, loaded through server B, whose LOOKUP
+    publishes them filling and whose load waits per slice for their layers: chunk-major and layer-major, the
+    server copying or the engine itself, every byte is the one A stored."""
+    tokens, chunk = 1024, 256
+    a = Host(cluster.addresses, shape=WIDE, chunk=chunk, tokens=tokens, l1_bytes=64 << 20)
+    b = Host(cluster.addresses, shape=WIDE, chunk=chunk, tokens=tokens, l1_bytes=64 << 20, placement=placement)
+    try:
+        prompt = random_prompt(tokens, seed=600 + layers_per_slice + (placement == "engine"))
+        assert a.store(prompt)["stored_tokens"] == tokens
+        a.wait_written(tokens // chunk)
+        hit, dst = b.load(f"streamed-{placement}-{layers_per_slice}", prompt, layers_per_slice=layers_per_slice)
+        assert hit == tokens
+        assert b.engine.mismatched_layers(prompt, dst, 0, tokens) == []
+        deadline = time.monotonic() + BOUND
+        while b.l2().get("fetched", 0) < tokens // chunk:  # the fill counts its chunks once it has ended
+            assert time.monotonic() < deadline, b.l2()
+            time.sleep(0.02)
+        assert not any(k.startswith("miss_") and v for k, v in b.l2().items()), b.l2()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> None:
     a, b = Host(cluster.addresses), Host(cluster.addresses)
     try:
@@ -136,10 +176,12 @@ def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> Non
         value[-7] ^= 0x10
         raw.set(third, bytes(value))
         raw.close()
-        hit, dst = b.load("corrupt", prompt)
+        hit, _ = b.load("corrupt", prompt, fails=True)  # every value is there; reading the third fails the load
+        assert hit == TOKENS and b.l2()["miss_checksum"] == 1
+        hit, dst = b.load("corrupt-again", prompt)  # remembered: the hit ends before it, and the load is whole
         assert hit == 2 * CHUNK, "the hit must end before the chunk that does not check out"
         assert b.engine.mismatched_layers(prompt, dst, 0, hit) == []
-        assert b.l2()["miss_checksum"] == 1
+        assert b.l2()["miss_known_bad"] == 1
         assert a.l2()["written"] == CHUNKS and a.l2()["write_queue_bytes"] == 0
     finally:
         a.close()

@@ -153,57 +153,169 @@ def test_a_value_moved_by_a_resharding_is_found_through_ask_and_moved(tmp_path) 
             tier.close()
 
 
-def test_a_fill_reads_every_layer_group_of_a_prefix_and_stops_at_the_first_chunk_missing_one(cluster) -> None:
-    """Objects of several layer groups each (16 MiB: four values) written behind from one host's pool read back
-    byte-exact into another's; with one layer group of the third chunk gone from the tier, the fill stops before
-    that chunk, and no object of it or after it is left in the pool, committed or reserved."""
-    from kvstrata.core.store.keys import CacheKey
-    from kvstrata.core.store.l1_store import L1Store
+SHAPE, TOKENS, DTYPE = (2, 8, 8, 256), 512, "bfloat16"
+"""Objects of 16 MiB: four layer groups (values) each."""
+OBJECT_BYTES = 2 * 8 * 8 * 256 * TOKENS
+
+
+class HeldReads:
+    """A test gate around a real backend: every read after the first ``free_reads`` waits until the test lets
+    it go (:meth:`release`), so that what a fill has published before its later values arrive can be looked at."""
+
+    def __init__(self, backend, free_reads: int) -> None:
+        import threading
+
+        self.backend = backend
+        self.free_reads = free_reads
+        self.released = threading.Event()
+        self.scheme = backend.scheme
+
+    def get_many(self, names):
+        if self.free_reads > 0:
+            self.free_reads -= 1
+        else:
+            assert self.released.wait(BOUND), "the test never released the held reads"
+        return self.backend.get_many(names)
+
+    def release(self) -> None:
+        self.released.set()
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+class TwoHosts:
+    """Two pools on one cluster: A stores prompts and writes them behind, B fills from the tier."""
+
+    def __init__(self, cluster, b_backend=None) -> None:
+        from kvstrata.core.store.l1_store import L1Store
+        from kvstrata.core.store.l2.tier import SharedTier
+
+        self.a, self.b = L1Store(12 * OBJECT_BYTES), L1Store(12 * OBJECT_BYTES)
+        self.tier_a = SharedTier(open_backend(cluster.addresses), self.a)
+        self.tier_b = SharedTier(b_backend or open_backend(cluster.addresses), self.b)
+
+    def store_on_a(self, seed: int, chunks: int):
+        """Store a prompt of ``chunks`` random objects on A and wait until it is in the tier."""
+        from kvstrata.core.store.keys import CacheKey
+
+        key = CacheKey.for_tokens(f"r{seed}", [seed + i for i in range(chunks * TOKENS)], model="fill-model")
+        digests = key.chunk_hashes(TOKENS)[:chunks]
+        stored = []
+        for d in digests:
+            obj = self.a.reserve(d, TOKENS, OBJECT_BYTES, SHAPE)
+            self.a.object_bytes(obj)[:] = os.urandom(OBJECT_BYTES)
+            self.a.commit(obj)
+            stored.append(obj)
+        self.tier_a.offer_committed(key, DTYPE, stored)
+        assert self.tier_a.wait_written(BOUND)
+        return key, digests, [bytes(self.a.object_bytes(o)) for o in stored]
+
+    def fill_b(self, key, digests) -> int:
+        return self.tier_b.fill(key, digests, [TOKENS] * len(digests), SHAPE, DTYPE)
+
+    def close(self) -> None:
+        for x in (self.tier_a, self.tier_b, self.a, self.b):
+            x.close()
+
+
+def test_a_fill_reads_every_layer_group_byte_exact_and_a_chunk_missing_one_ends_the_hit(cluster) -> None:
+    """Objects of four layer groups each, written behind from one host's pool, read back byte-exact into
+    another's; with one layer group of the third chunk gone from the tier, the fill stops before that chunk and
+    reserves nothing for it or after it."""
     from kvstrata.core.store.l2.tier import SharedTier
     from kvstrata.core.store.l2.value import layer_groups
 
-    shape, tokens, dtype = (2, 8, 8, 256), 512, "bfloat16"
-    nbytes, chunks = 2 * 8 * 8 * 256 * tokens, 5
-    assert len(layer_groups(shape, tokens)) == 4
-    key = CacheKey.for_tokens("r", list(range(chunks * tokens)), model="fill-model")
-    digests = key.chunk_hashes(tokens)[:chunks]
-    host_a, host_b = L1Store(2 * chunks * nbytes + (4 << 20)), L1Store(2 * chunks * nbytes + (4 << 20))
-    tier_a = SharedTier(open_backend(cluster.addresses), host_a)
-    tier_b = SharedTier(open_backend(cluster.addresses), host_b)
+    assert len(layer_groups(SHAPE, TOKENS)) == 4
+    hosts = TwoHosts(cluster)
     try:
-        stored = []
-        for d in digests:
-            obj = host_a.reserve(d, tokens, nbytes, shape)
-            host_a.object_bytes(obj)[:] = os.urandom(nbytes)
-            host_a.commit(obj)
-            stored.append(obj)
-        tier_a.offer_committed(key, dtype, stored)
-        assert tier_a.wait_written(BOUND) and tier_a.stats()["written"] == chunks
+        key, digests, payloads = hosts.store_on_a(1, 5)
+        assert hosts.fill_b(key, digests) == 5
+        assert hosts.tier_b.wait_fills(BOUND)
+        found = hosts.b.lookup("r", digests, lock=False)
+        assert [bytes(hosts.b.object_bytes(o)) for o in found] == payloads
+        assert hosts.tier_b.stats()["fetched"] == 5
 
-        assert tier_b.fill(key, digests, [tokens] * chunks, shape, dtype) == chunks
-        found = host_b.lookup("r", digests, lock=False)
-        assert [bytes(host_b.object_bytes(o)) for o in found] == [bytes(host_a.object_bytes(o)) for o in stored]
-
-        other = CacheKey.for_tokens("r2", list(range(1, chunks * tokens + 1)), model="fill-model")
-        other_digests = other.chunk_hashes(tokens)[:chunks]
-        moved = []
-        for d, src in zip(other_digests, stored):
-            obj = host_a.reserve(d, tokens, nbytes, shape)
-            host_a.object_bytes(obj)[:] = host_a.object_bytes(src)
-            host_a.commit(obj)
-            moved.append(obj)
-        tier_a.offer_committed(other, dtype, moved)
-        assert tier_a.wait_written(BOUND)
-        gone = SharedTier.object_keys(other, other_digests[2], tokens, shape, dtype)[3]  # the third chunk's last group
-        tier_a.backend._cluster.delete(gone.name())
-        free_before = host_b.stats()["free_bytes"]
-        assert tier_b.fill(other, other_digests, [tokens] * chunks, shape, dtype) == 2
-        assert len(host_b.lookup("r2", other_digests, lock=False)) == 2
-        assert not any(host_b.is_pending(d) for d in other_digests)
-        assert host_b.stats()["free_bytes"] == free_before - 2 * nbytes  # the abandoned reservations gave their room back
-        assert tier_b.stats()["miss_absent"] == 1
+        other, other_digests, _ = hosts.store_on_a(2, 5)
+        gone = SharedTier.object_keys(other, other_digests[2], TOKENS, SHAPE, DTYPE)[3]  # its last layer group
+        hosts.tier_a.backend._cluster.delete(gone.name())
+        free_before = hosts.b.stats()["free_bytes"]
+        assert hosts.fill_b(other, other_digests) == 2
+        assert hosts.tier_b.wait_fills(BOUND)
+        assert len(hosts.b.lookup("r2", other_digests, lock=False)) == 2
+        assert hosts.b.stats()["free_bytes"] == free_before - 2 * OBJECT_BYTES
+        assert hosts.tier_b.stats()["miss_absent"] == 1
     finally:
-        tier_a.close()
-        tier_b.close()
-        host_a.close()
-        host_b.close()
+        hosts.close()
+
+
+def test_a_fill_publishes_its_chunks_at_once_and_their_layers_land_group_by_group(cluster) -> None:
+    """The fill returns with every chunk published and locked by it, before the values after the first read
+    (held by the test) arrive: the first read (64 MiB) brings the first two layer groups of all eight chunks,
+    and no chunk has more; a reader waiting for
+    every layer waits until the test lets the reads go, then every object is whole and byte-exact."""
+    import threading
+
+    from kvstrata.core.store.l1_store import ALL_LAYERS
+
+    held = HeldReads(open_backend(cluster.addresses), free_reads=1)
+    hosts = TwoHosts(cluster, held)
+    try:
+        key, digests, payloads = hosts.store_on_a(3, 8)
+        assert hosts.fill_b(key, digests) == 8
+        objects = hosts.b.lookup("reader", digests)  # published: LOOKUP finds them, locked for "reader"
+        assert len(objects) == 8 and all(o.filling for o in objects)
+        deadline = time.monotonic() + BOUND
+        while not all(int(hosts.b.landed[o.slot]) == 4 for o in objects):  # groups 0 and 1: layers [0, 4)
+            assert time.monotonic() < deadline, [int(hosts.b.landed[o.slot]) for o in objects]
+            time.sleep(0.01)
+        waited = []
+        reader = threading.Thread(target=lambda: waited.append(hosts.b.wait_landed(objects, 8, BOUND)))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and not waited, "a reader of every layer must wait for the held reads"
+        held.release()
+        reader.join(BOUND)
+        assert waited == [None]
+        assert hosts.tier_b.wait_fills(BOUND)
+        assert all(hosts.b.landed[o.slot] == ALL_LAYERS and not o.filling for o in objects)
+        assert [bytes(hosts.b.object_bytes(o)) for o in objects] == payloads
+        hosts.b.release_locks("reader")
+    finally:
+        held.release()
+        hosts.close()
+
+
+def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_stop_before_it(cluster) -> None:
+    """A value corrupted in place passes the fill's look-up (it exists) and fails when read: its chunk's object
+    and those after it fail (a reader waiting on them is told, never handed the bytes), are freed once their
+    locks go, and the next fill of the prefix ends its hit before that chunk."""
+    import pytest as _pytest
+
+    from kvstrata.core.store.l1_store import FillFailed
+    from kvstrata.core.store.l2.tier import SharedTier
+
+    hosts = TwoHosts(cluster)
+    try:
+        key, digests, payloads = hosts.store_on_a(4, 4)
+        bad = SharedTier.object_keys(key, digests[1], TOKENS, SHAPE, DTYPE)[2]
+        raw = hosts.tier_a.backend._cluster
+        value = bytearray(raw.get(bad.name()))
+        value[-3] ^= 0x01
+        raw.set(bad.name(), bytes(value))
+        free_before = hosts.b.stats()["free_bytes"]
+        assert hosts.fill_b(key, digests) == 4
+        objects = hosts.b.lookup("reader", digests)
+        with _pytest.raises(FillFailed):
+            hosts.b.wait_landed(objects, 8, BOUND)
+        assert hosts.tier_b.wait_fills(BOUND)
+        assert hosts.tier_b.stats()["miss_checksum"] == 1 and hosts.tier_b.stats()["fetched"] == 1
+        assert [bool(o.failed) for o in objects] == [False, True, True, True]
+        assert len(hosts.b.lookup("later", digests, lock=False)) == 1
+        hosts.b.release_locks("reader")
+        assert hosts.b.stats()["free_bytes"] == free_before - OBJECT_BYTES  # the failed ones gave their room back
+        assert bytes(hosts.b.object_bytes(objects[0])) == payloads[0]
+        assert hosts.fill_b(key, digests[1:]) == 0  # remembered: no second load fails on it
+        assert hosts.tier_b.stats()["miss_known_bad"] == 1
+    finally:
+        hosts.close()

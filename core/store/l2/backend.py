@@ -21,6 +21,9 @@ class TierBackend(Protocol):
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """The values stored under ``names``, in order (None where there is none)."""
 
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether a value is stored under each of ``names``, in order (without reading them)."""
+
     def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Store each value under its name (replacing what was there)."""
 

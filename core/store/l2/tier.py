@@ -34,6 +34,8 @@ READ_AHEAD = 2
 """Reads of a fill queued ahead of the batch being checked and copied."""
 HEALTH_INTERVAL = 5.0
 """Seconds between checks of the tier's nodes."""
+BAD_VALUES_KEPT = 4096
+"""How many names of values that did not check out a server remembers."""
 
 
 class ShardOf(Protocol):
@@ -53,48 +55,63 @@ class _Queued:
 
 
 class _Fill:
-    """One fill's objects, reserved in L1 as their first layer group arrives and committed once all have."""
+    """One fill: the run of chunks whose every layer group the tier holds, published in L1 before their bytes
+    are in (each object's landed word then rises group by group), and ended complete or failed."""
 
     def __init__(self, store: L1Store, keys: Sequence[Sequence[TierKey]]) -> None:
         self.store = store
         self.keys = keys
-        self.run = len(keys)
-        """The chunks before this one can still all arrive; a miss anywhere lowers it."""
         self.objects: list[StoredObject | None] = []
-        """Per chunk, in order, once its first group arrived: its reserved object (None: already in L1)."""
+        """Per chunk of the run: its object while it fills (None: L1 held it already, or its fill ended)."""
+        self.groups_in: list[int] = []
+        self.run = 0
+        self.completed = 0
+        self.completed_bytes = 0
 
-    def end_run(self, chunk: int) -> bool:
-        """End the run before ``chunk``; whether that shortened it (what ended it is then counted)."""
-        if chunk >= self.run:
-            return False
-        self.run = chunk
-        return True
-
-    def target(self, chunk: int) -> StoredObject | None | bool:
-        """The object chunk's values go into; None where L1 already holds it, False where the run ends."""
-        while len(self.objects) <= chunk and len(self.objects) < self.run:
-            key = self.keys[len(self.objects)][0]
+    def publish(self, chunks: int) -> int:
+        """Reserve and publish the first ``chunks`` objects, as far as the pool has room and none is being
+        stored meanwhile; returns how many are published (or were in L1 already)."""
+        for groups in self.keys[:chunks]:
+            key = groups[0]
             try:
                 obj = self.store.reserve(key.chunk_hash, key.num_tokens, key.object_bytes, key.shape)
             except StoreFull:
-                return False
-            if obj is None and self.store.is_pending(key.chunk_hash):  # being stored: not a hit yet
-                return False
-            self.objects.append(obj)
-        return self.objects[chunk] if chunk < len(self.objects) else False
-
-    def finish(self) -> int:
-        """Commit the run's objects, drop the rest; returns the run's length."""
-        self.run = min(self.run, len(self.objects))
-        for i, obj in enumerate(self.objects):
+                break
+            if obj is None and self.store.is_pending(key.chunk_hash):  # a STORE's bytes still on the way
+                break
             if obj is not None:
-                (self.store.commit if i < self.run else self.store.abandon)(obj)
+                self.store.publish_filling(obj)
+            self.objects.append(obj)
+        self.groups_in = [0] * len(self.objects)
+        self.run = len(self.objects)
         return self.run
 
-    def abandon(self) -> None:
-        for obj in self.objects:
-            if obj is not None:
-                self.store.abandon(obj)
+    def target(self, chunk: int) -> StoredObject | None:
+        """The object chunk's values are copied into (None: nothing to copy, L1 held it or it failed)."""
+        return self.objects[chunk] if chunk < self.run else None
+
+    def group_landed(self, chunk: int, key: TierKey) -> None:
+        """``key``'s group of chunk is in the pool (the groups before it too: they are read in order)."""
+        obj = self.objects[chunk]
+        self.groups_in[chunk] += 1
+        if self.groups_in[chunk] < len(self.keys[chunk]):
+            self.store.set_landed(obj, key.layers[1])
+            return
+        self.store.end_fill(obj, complete=True)
+        self.objects[chunk] = None
+        self.completed += 1
+        self.completed_bytes += key.object_bytes
+
+    def fail_from(self, chunk: int) -> bool:
+        """End the run before ``chunk``: its objects and those after it fail. Whether that shortened it."""
+        if chunk >= self.run:
+            return False
+        for i in range(chunk, self.run):
+            if self.objects[i] is not None:
+                self.store.end_fill(self.objects[i], complete=False)
+                self.objects[i] = None
+        self.run = chunk
+        return True
 
 
 class SharedTier:
@@ -109,7 +126,8 @@ class SharedTier:
         self.counts: collections.Counter[str] = collections.Counter()
         """written, written_bytes, write_skipped (queue full), write_failed (chunks); asked (chunks looked for
         past an L1 hit), fetched (chunks), fetched_bytes; and per reason a run of fetched chunks ended for
-        (``miss_<value.MissReason>``, ``miss_absent``, ``miss_unavailable``, ``miss_no_room``), once per fill."""
+        (``miss_<value.MissReason>``, ``miss_absent``, ``miss_known_bad``, ``miss_unavailable``, ``miss_no_room``),
+        once per fill."""
         self._counts_lock = threading.Lock()
         self.fetch_seconds = LatencyHistogram()
         self.write_seconds = LatencyHistogram()
@@ -119,8 +137,17 @@ class SharedTier:
         self._stopping = False
         self._writer = threading.Thread(target=self._write_loop, name="kvstrata-l2-writer", daemon=True)
         self._writer.start()
+        self._filler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-l2-fill")
+        """Streams published fills' bytes in, one fill after another, in the order their LOOKUPs came."""
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-l2-reader")
-        """Reads the next batch of a fill while the LOOKUP's thread checks and copies the one before."""
+        """Reads the next batch of a fill while the fill's thread checks and copies the one before."""
+        self._fills_open = 0
+        self._fills_changed = threading.Condition()
+        self._bad: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Names whose value did not check out when read (the latest :data:`BAD_VALUES_KEPT`): a later fill
+        ends its run before them instead of failing a load on them again; this server's own write of one
+        clears it."""
+        self._bad_lock = threading.Lock()
         self.nodes: list[dict] = []
         """The backend's nodes as last checked (every :data:`HEALTH_INTERVAL` seconds), for ``kvstrata status``:
         asking them on SERVER_INFO would hold the server's request loop for a node that does not answer."""
@@ -187,6 +214,9 @@ class SharedTier:
                                for key in q.keys]
                 self.backend.set_many(values)
                 self.write_seconds.observe(time.perf_counter() - started)
+                with self._bad_lock:
+                    for name, _ in values:
+                        self._bad.pop(name, None)
                 self._bump("written", len(batch))
                 self._bump("written_bytes", size)
             except (TierUnavailable, OSError, ValueError) as exc:
@@ -244,50 +274,95 @@ class SharedTier:
 
     def fill(self, shard: ShardOf, digests: Sequence[bytes], token_counts: Sequence[int],
              shape: tuple[int, int, int, int], dtype: str) -> int:
-        """Fetch the chunks ``digests`` (the run right after an L1 hit) into L1, committed, in order, as far as
-        the tier holds every layer group of them, they check out and the pool has room; returns how many are now
-        in L1. The next batch is read while this thread checks and copies the one before."""
+        """Bring the chunks ``digests`` (the run right after an L1 hit) into L1 from the tier, as far as it
+        holds every layer group of them and the pool has room; returns how many are now in L1 or on their way.
+
+        Only which values the tier holds is asked here (one round trip per node); the objects are then
+        published in L1 at once, filling, and their bytes read behind, the first layer group of every chunk
+        first (:meth:`_stream`), so that the load of a LOOKUP's hit starts on its first layers while the rest
+        still arrive. A value that then does not check out, or a read that fails, fails the chunk's object and
+        the ones after it: a load waiting on them fails and the engine recomputes those blocks.
+        """
         if not digests:
             return 0
         self._bump("asked", len(digests))
-        fill = _Fill(self.store, [self.object_keys(shard, d, n, shape, dtype) for d, n in zip(digests, token_counts)])
-        batches = self._read_order(fill.keys)
+        keys = [self.object_keys(shard, d, n, shape, dtype) for d, n in zip(digests, token_counts)]
+        try:
+            held = self.backend.exists_many([k.name(self.namespace) for groups in keys for k in groups])
+        except TierUnavailable as exc:
+            self._bump("miss_unavailable", 1)
+            log.warning("shared tier: looking up %d chunks: %s", len(keys), exc)
+            return 0
+        with self._bad_lock:
+            bad = [k.name(self.namespace) in self._bad for groups in keys for k in groups]
+        run, at = 0, 0
+        for groups in keys:
+            if not all(held[at:at + len(groups)]):
+                self._bump("miss_absent", 1)
+                break
+            if any(bad[at:at + len(groups)]):
+                self._bump("miss_known_bad", 1)
+                break
+            run, at = run + 1, at + len(groups)
+        fill = _Fill(self.store, keys[:run])
+        published = fill.publish(run)
+        if published < run:
+            self._bump("miss_no_room", 1)
+        if published:
+            with self._fills_changed:
+                self._fills_open += 1
+            self._filler.submit(self._stream, fill)
+        return published
+
+    def _stream(self, fill: _Fill) -> None:
+        """Read a published fill's values (the next batch while this thread checks and copies the one before)
+        and end every object of it, complete or failed, whatever happens."""
+        batches = self._read_order(fill.keys[:fill.run]) if fill.run else []
         reads: dict[int, concurrent.futures.Future] = {}
 
         def read_ahead(first: int) -> None:
             for j in range(first, min(first + READ_AHEAD, len(batches))):
-                if j not in reads and any(chunk < fill.run for chunk, _ in batches[j]):
+                if j not in reads and any(fill.target(chunk) is not None for chunk, _ in batches[j]):
                     reads[j] = self._reader.submit(self._get, [key for _, key in batches[j]])
 
         try:
             for i, batch in enumerate(batches):
+                if self._closed.is_set():
+                    break
                 read_ahead(i)
                 if i not in reads:
-                    continue  # every chunk in it is past the run's end
+                    continue  # nothing in it is still wanted
                 values = reads.pop(i).result()
                 read_ahead(i + 1)
                 if values is None:
-                    if fill.end_run(min(chunk for chunk, _ in batch)):
+                    if fill.fail_from(min(chunk for chunk, _ in batch)):
                         self._bump("miss_unavailable", 1)
                 else:
                     self._copy_batch(fill, batch, values)
-        except BaseException:
-            fill.abandon()
-            raise
+        except BaseException as exc:  # noqa: BLE001 - on this thread nobody else would see it
+            log.error("shared tier: a fill stopped: %s: %s", type(exc).__name__, exc)
         finally:
             for read in reads.values():
                 read.cancel()
-        filled = fill.finish()
-        self._bump("fetched", filled)
-        self._bump("fetched_bytes", sum(k.payload_bytes for groups in fill.keys[:filled] for k in groups))
-        return filled
+            fill.fail_from(0)  # whatever has not arrived whole by now never will
+            self._bump("fetched", fill.completed)
+            self._bump("fetched_bytes", fill.completed_bytes)
+            with self._fills_changed:
+                self._fills_open -= 1
+                self._fills_changed.notify_all()
+
+    def wait_fills(self, timeout: float) -> bool:
+        """Whether every fill begun has ended (complete or failed) within ``timeout`` seconds."""
+        with self._fills_changed:
+            return self._fills_changed.wait_for(lambda: self._fills_open == 0, timeout)
 
     def _copy_batch(self, fill: _Fill, batch: list[tuple[int, TierKey]], values: list[bytes | None]) -> None:
         for (chunk, key), value in zip(batch, values):
-            if chunk >= fill.run:
-                continue
-            if value is None:
-                if fill.end_run(chunk):
+            obj = fill.target(chunk)
+            if obj is None:
+                continue  # L1 held it, or it failed already
+            if value is None:  # gone since the fill looked (evicted by the tier, say)
+                if fill.fail_from(chunk):
                     self._bump("miss_absent", 1)
                 continue
             try:
@@ -295,20 +370,18 @@ class SharedTier:
             except TierMiss as miss:
                 log.warning("shared tier: chunk %s layers %s is not used: %s", key.chunk_hash.hex()[:12],
                             key.layers, miss)
-                if fill.end_run(chunk):
+                with self._bad_lock:
+                    self._bad[key.name(self.namespace)] = None
+                    while len(self._bad) > BAD_VALUES_KEPT:
+                        self._bad.popitem(last=False)
+                if fill.fail_from(chunk):
                     self._bump(f"miss_{miss.reason.value}", 1)
                 continue
-            obj = fill.target(chunk)
-            if obj is False:
-                if fill.end_run(chunk):
-                    self._bump("miss_no_room", 1)
-                continue
-            if obj is None:
-                continue  # L1 holds it already
             data, at = self.store.object_bytes(obj), 0
             for a, b in key.payload_ranges():
                 data[a:b] = payload[at:at + b - a]
                 at += b - a
+            fill.group_landed(chunk, key)
 
     def stats(self) -> dict:
         with self._cond, self._counts_lock:
@@ -322,6 +395,7 @@ class SharedTier:
             self._queue.clear()
             self._cond.notify_all()
         self._writer.join(timeout=30)
+        self._filler.shutdown(wait=True)  # every fill ends, its objects complete or failed
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._health.join(timeout=30)
         self.store.unpin([q.obj for q in left])

@@ -1,8 +1,8 @@
 """The shared tier on a Valkey cluster (``valkey://``, ``valkeys://`` with TLS), through the ``valkey`` client.
 
 Values are spread over the cluster's primaries by their names' hash slots; reads and writes of many names go
-out as one pipeline per node (the client groups them), so a prefix's chunks cost a round trip per node, not
-per chunk. The client follows MOVED and ASK redirections (a resharding) itself; everything else that keeps a
+out as one pipeline per node (the client groups them), so a prefix's values cost a round trip per node, not
+per value. The client follows MOVED and ASK redirections (a resharding) itself; everything else that keeps a
 node from answering within ``timeout`` becomes :class:`TierUnavailable`.
 """
 
@@ -77,6 +77,17 @@ class ValkeyBackend:
             return list(self._cluster.mget_nonatomic(list(names)))
         except Exception as exc:  # noqa: BLE001
             raise TierUnavailable(f"reading {len(names)} values from {self._where()}: {exc}") from None
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        try:
+            pipe = self._cluster.pipeline()
+            for name in names:
+                pipe.exists(name)
+            return [bool(n) for n in pipe.execute()]
+        except Exception as exc:  # noqa: BLE001
+            raise TierUnavailable(f"looking up {len(names)} values on {self._where()}: {exc}") from None
 
     def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:
