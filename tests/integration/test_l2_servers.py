@@ -132,31 +132,37 @@ WIDE = ModelShape(num_layers=8, kv_size=2, num_heads=8, head_size=128, dtype="bf
 """32 KiB of KV a token: a 256-token chunk is 8 MiB, two layer groups (values) of the tier."""
 
 
-@pytest.mark.parametrize("placement", ["server", "engine"])
-@pytest.mark.parametrize("layers_per_slice", [0, 1, 3])
-def test_a_hit_streamed_from_the_tier_loads_byte_exact_in_either_placement(cluster, placement,
-                                                                           layers_per_slice) -> None:
+def test_a_hit_streamed_from_the_tier_loads_byte_exact_in_either_placement(cluster) -> None:
     """Chunks of two layer groups each, stored through server A, loaded through server B, whose LOOKUP
     publishes them filling and whose load waits per slice for their layers: chunk-major and layer-major, the
     server copying or the engine itself, every byte is the one A stored."""
     tokens, chunk = 1024, 256
     a = Host(cluster.addresses, shape=WIDE, chunk=chunk, tokens=tokens, l1_bytes=64 << 20)
-    b = Host(cluster.addresses, shape=WIDE, chunk=chunk, tokens=tokens, l1_bytes=64 << 20, placement=placement)
+    readers = {placement: Host(cluster.addresses, shape=WIDE, chunk=chunk, tokens=tokens, l1_bytes=64 << 20,
+                               placement=placement) for placement in ("server", "engine")}
     try:
-        prompt = random_prompt(tokens, seed=600 + layers_per_slice + (placement == "engine"))
-        assert a.store(prompt)["stored_tokens"] == tokens
-        a.wait_written(tokens // chunk)
-        hit, dst = b.load(f"streamed-{placement}-{layers_per_slice}", prompt, layers_per_slice=layers_per_slice)
-        assert hit == tokens
-        assert b.engine.mismatched_layers(prompt, dst, 0, tokens) == []
-        deadline = time.monotonic() + BOUND
-        while b.l2().get("fetched", 0) < tokens // chunk:  # the fill counts its chunks once it has ended
-            assert time.monotonic() < deadline, b.l2()
-            time.sleep(0.02)
-        assert not any(k.startswith("miss_") and v for k, v in b.l2().items()), b.l2()
+        seed = 600
+        for placement, b in readers.items():
+            for layers_per_slice in (0, 1, 3):
+                seed += 1
+                prompt = random_prompt(tokens, seed=seed)
+                assert a.store(prompt)["stored_tokens"] == tokens
+                a.wait_written((seed - 600) * tokens // chunk)
+                fetched = b.l2().get("fetched", 0)
+                hit, dst = b.load(f"streamed-{seed}", prompt, layers_per_slice=layers_per_slice)
+                assert hit == tokens, (placement, layers_per_slice)
+                assert b.engine.mismatched_layers(prompt, dst, 0, tokens) == [], (placement, layers_per_slice)
+                b.engine.free(dst)
+                deadline = time.monotonic() + BOUND
+                while b.l2().get("fetched", 0) < fetched + tokens // chunk:  # counted once its fill has ended
+                    assert time.monotonic() < deadline, b.l2()
+                    time.sleep(0.02)
+        for b in readers.values():
+            assert not any(k.startswith("miss_") and v for k, v in b.l2().items()), b.l2()
     finally:
         a.close()
-        b.close()
+        for b in readers.values():
+            b.close()
 
 
 def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> None:
@@ -239,7 +245,8 @@ def test_a_restarted_server_with_an_empty_pool_hits_what_it_stored_before(cluste
 
 
 def test_a_lookup_waiting_on_the_tier_holds_no_other_request(tmp_path) -> None:
-    """A LOOKUP reading a tier node that does not answer (stopped) waits for it on a transfer thread: meanwhile
+    """A LOOKUP asking a tier node that does not answer (stopped) which values it holds waits for it on a
+    transfer thread: meanwhile
     PING and another engine's L1 hit are answered; once the node answers again, the LOOKUP hits."""
     import signal
 
@@ -272,8 +279,9 @@ def test_a_lookup_waiting_on_the_tier_holds_no_other_request(tmp_path) -> None:
 
 
 def test_a_node_killed_while_a_lookup_reads_it_costs_the_hit_never_a_hang_or_wrong_bytes(tmp_path) -> None:
-    """Every node is stopped when the LOOKUP is sent, then one is killed and the others resumed, so the read
-    meets a node that dies under it (or, if the LOOKUP reaches the tier only after the kill, one already dead):
+    """Every node is stopped when the LOOKUP is sent, then one is killed and the others resumed, so the LOOKUP's
+    look-up meets a node that dies under it (or, if it reaches the tier only after the kill, one already dead;
+    a node killed while the hit's bytes stream in is tests/integration/test_l2_valkey.py's):
     either way the LOOKUP answers with what L1 holds (nothing), the miss is counted, and the engine's store and
     a later load from L1 are unaffected."""
     import signal

@@ -319,3 +319,35 @@ def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_
         assert hosts.tier_b.stats()["miss_known_bad"] == 1
     finally:
         hosts.close()
+
+
+def test_a_node_killed_while_a_fill_streams_fails_its_chunks_never_a_hang(tmp_path) -> None:
+    """The fill's look-up and first read done, the rest held by the test; a node is killed, the reads let go:
+    the chunks not whole by then fail (a waiting reader is told, within the bound), the miss is counted, and
+    what had arrived whole stays usable."""
+    import pytest as _pytest
+
+    from kvstrata.core.store.l1_store import FillFailed
+
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        held = HeldReads(open_backend(own.addresses, timeout=1.0), free_reads=1)
+        hosts = TwoHosts(own, held)
+        try:
+            key, digests, payloads = hosts.store_on_a(5, 8)
+            assert hosts.fill_b(key, digests) == 8
+            objects = hosts.b.lookup("reader", digests)
+            own.kill(1)
+            held.release()
+            started = time.monotonic()
+            with _pytest.raises(FillFailed):
+                hosts.b.wait_landed(objects, 8, BOUND)
+            assert time.monotonic() - started < BOUND
+            assert hosts.tier_b.wait_fills(BOUND)
+            assert hosts.tier_b.stats()["miss_unavailable"] == 1
+            whole = [o for o in objects if not o.failed]
+            assert all(bytes(hosts.b.object_bytes(o)) == payloads[objects.index(o)] for o in whole)
+            assert len(hosts.b.lookup("later", digests, lock=False)) == len(whole) < 8
+            hosts.b.release_locks("reader")
+        finally:
+            held.release()
+            hosts.close()
