@@ -105,6 +105,10 @@ def fetch_arms(cluster, gib: float, chunk: int, reps: int) -> dict:
            "bytes": total, **{f"{arm}_s": [round(t, 4) for t in ts] for arm, ts in arms.items()},
            **{f"{arm}_gb_s": round(total / statistics.median(ts) / 1e9, 3) for arm, ts in arms.items()}}
     out["fill_vs_raw"] = round(out["tier_fill_gb_s"] / max(out["raw_get_gb_s"], out["raw_get_one_pipeline_gb_s"]), 3)
+    # best of each arm: on a machine whose CPUs also run the nodes, each arm's runs spread wide (bimodally in
+    # the raw GETs), and the best run is each one's own capability, the least disturbed by the rest
+    out["fill_vs_raw_best"] = round(min(min(arms["raw_get"]), min(arms["raw_get_one_pipeline"]))
+                                    / min(arms["tier_fill"]), 3)
     backend.close()
     return out
 
@@ -255,7 +259,8 @@ def main() -> int:
                   f"{fetch['raw_get_gb_s']} GB/s in 64 MiB pipelines, {fetch['raw_get_one_pipeline_gb_s']} in one "
                   f"({fetch['raw_get_whole_objects_gb_s']} GB/s as whole-object values), "
                   f"into L1 through the tier {fetch['tier_fill_gb_s']} GB/s "
-                  f"({fetch['fill_vs_raw']}x; target 0.85x); LOOKUP answered after "
+                  f"({fetch['fill_vs_raw']}x of the medians, {fetch['fill_vs_raw_best']}x of the best runs; target "
+                  f"0.85x); LOOKUP answered after "
                   f"{statistics.median(fetch['tier_published_s']) * 1e3:.1f} ms, first layer group of every chunk in "
                   f"after {statistics.median(fetch['tier_first_group_s']) * 1e3:.0f} ms, all of it after "
                   f"{statistics.median(fetch['tier_fill_s']) * 1e3:.0f} ms", flush=True)

@@ -285,7 +285,7 @@ class SharedTier:
         still arrive. A value that then does not check out, or a read that fails, fails the chunk's object and
         the ones after it: a load waiting on them fails and the engine recomputes those blocks.
         """
-        if not digests:
+        if not digests or self._closed.is_set():
             return 0
         self._bump("asked", len(digests))
         keys = [self.object_keys(shard, d, n, shape, dtype) for d, n in zip(digests, token_counts)]
@@ -313,7 +313,14 @@ class SharedTier:
         if published:
             with self._fills_changed:
                 self._fills_open += 1
-            self._filler.submit(self._stream, fill)
+            try:
+                self._filler.submit(self._stream, fill)
+            except RuntimeError:  # closed meanwhile: nothing will stream them in
+                fill.fail_from(0)
+                with self._fills_changed:
+                    self._fills_open -= 1
+                    self._fills_changed.notify_all()
+                return 0
         return published
 
     def _stream(self, fill: _Fill) -> None:
