@@ -123,6 +123,17 @@ def test_a_cluster_with_a_password_needs_it(tmp_path) -> None:
             key = tier_key(7)
             tier.set_many([(key.name(), encode(key, b"ok"))])
             assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"ok"
+            whole = tier_key(8)  # and the direct reader authenticates on its own connections
+            payload = os.urandom(whole.payload_bytes)
+            tier.set_many([(whole.name(), encode(whole, payload))])
+            into = bytearray(whole.object_bytes)
+            reader = tier.direct_reader()
+            try:
+                (outcome,) = reader.read_into([(whole.name(), whole, memoryview(into))])
+            finally:
+                reader.close()
+            assert outcome.landed
+            assert b"".join(into[a:b] for a, b in whole.payload_ranges()) == payload
         finally:
             tier.close()
 
@@ -159,23 +170,45 @@ OBJECT_BYTES = 2 * 8 * 8 * 256 * TOKENS
 
 
 class HeldReads:
-    """A test gate around a real backend: every read after the first ``free_reads`` waits until the test lets
-    it go (:meth:`release`), so that what a fill has published before its later values arrive can be looked at."""
+    """A test gate around a real backend: every read after the first ``free_reads`` (through the client or the
+    direct reader alike) waits until the test lets it go (:meth:`release`), so that what a fill has published
+    before its later values arrive can be looked at. ``direct=False`` withholds the direct reader, so that the
+    fill reads through the client (as with TLS)."""
 
-    def __init__(self, backend, free_reads: int) -> None:
+    def __init__(self, backend, free_reads: int = 1 << 30, direct: bool = True) -> None:
         import threading
 
         self.backend = backend
         self.free_reads = free_reads
         self.released = threading.Event()
         self.scheme = backend.scheme
+        self.direct = direct
 
-    def get_many(self, names):
+    def _turn(self) -> None:
         if self.free_reads > 0:
             self.free_reads -= 1
         else:
             assert self.released.wait(BOUND), "the test never released the held reads"
+
+    def get_many(self, names):
+        self._turn()
         return self.backend.get_many(names)
+
+    def direct_reader(self):
+        reader = self.backend.direct_reader() if self.direct else None
+        if reader is None:
+            return None
+        held = self
+
+        class Held:
+            def read_into(self, items):
+                held._turn()
+                return reader.read_into(items)
+
+            def close(self):
+                reader.close()
+
+        return Held()
 
     def release(self) -> None:
         self.released.set()
@@ -219,30 +252,31 @@ class TwoHosts:
             x.close()
 
 
-def test_a_fill_reads_every_layer_group_byte_exact_and_a_chunk_missing_one_ends_the_hit(cluster) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-reader", "through-client"])
+def test_a_fill_reads_every_layer_group_byte_exact_and_a_chunk_missing_one_ends_the_hit(cluster, direct) -> None:
     """Objects of four layer groups each, written behind from one host's pool, read back byte-exact into
-    another's; with one layer group of the third chunk gone from the tier, the fill stops before that chunk and
-    reserves nothing for it or after it."""
+    another's, straight into the pool or through the client; with one layer group of the third chunk gone from
+    the tier, the fill stops before that chunk and reserves nothing for it or after it."""
     from kvstrata.core.store.l2.tier import SharedTier
     from kvstrata.core.store.l2.value import layer_groups
 
     assert len(layer_groups(SHAPE, TOKENS)) == 4
-    hosts = TwoHosts(cluster)
+    hosts = TwoHosts(cluster, HeldReads(open_backend(cluster.addresses), direct=direct))
     try:
-        key, digests, payloads = hosts.store_on_a(1, 5)
+        key, digests, payloads = hosts.store_on_a(1 + 10 * direct, 5)
         assert hosts.fill_b(key, digests) == 5
         assert hosts.tier_b.wait_fills(BOUND)
-        found = hosts.b.lookup("r", digests, lock=False)
+        found = hosts.b.lookup(key.request_id, digests, lock=False)
         assert [bytes(hosts.b.object_bytes(o)) for o in found] == payloads
         assert hosts.tier_b.stats()["fetched"] == 5
 
-        other, other_digests, _ = hosts.store_on_a(2, 5)
+        other, other_digests, _ = hosts.store_on_a(2 + 10 * direct, 5)
         gone = SharedTier.object_keys(other, other_digests[2], TOKENS, SHAPE, DTYPE)[3]  # its last layer group
         hosts.tier_a.backend._cluster.delete(gone.name())
         free_before = hosts.b.stats()["free_bytes"]
         assert hosts.fill_b(other, other_digests) == 2
         assert hosts.tier_b.wait_fills(BOUND)
-        assert len(hosts.b.lookup("r2", other_digests, lock=False)) == 2
+        assert len(hosts.b.lookup(other.request_id, other_digests, lock=False)) == 2
         assert hosts.b.stats()["free_bytes"] == free_before - 2 * OBJECT_BYTES
         assert hosts.tier_b.stats()["miss_absent"] == 1
     finally:
@@ -286,7 +320,9 @@ def test_a_fill_publishes_its_chunks_at_once_and_their_layers_land_group_by_grou
         hosts.close()
 
 
-def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_stop_before_it(cluster) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-reader", "through-client"])
+def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_stop_before_it(cluster,
+                                                                                              direct) -> None:
     """A value corrupted in place passes the fill's look-up (it exists) and fails when read: its chunk's object
     and those after it fail (a reader waiting on them is told, never handed the bytes), are freed once their
     locks go, and the next fill of the prefix ends its hit before that chunk."""
@@ -295,9 +331,9 @@ def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_
     from kvstrata.core.store.l1_store import FillFailed
     from kvstrata.core.store.l2.tier import SharedTier
 
-    hosts = TwoHosts(cluster)
+    hosts = TwoHosts(cluster, HeldReads(open_backend(cluster.addresses), direct=direct))
     try:
-        key, digests, payloads = hosts.store_on_a(4, 4)
+        key, digests, payloads = hosts.store_on_a(4 + 100 * direct, 4)
         bad = SharedTier.object_keys(key, digests[1], TOKENS, SHAPE, DTYPE)[2]
         raw = hosts.tier_a.backend._cluster
         value = bytearray(raw.get(bad.name()))
@@ -350,4 +386,36 @@ def test_a_node_killed_while_a_fill_streams_fails_its_chunks_never_a_hang(tmp_pa
             hosts.b.release_locks("reader")
         finally:
             held.release()
+            hosts.close()
+
+
+def test_a_fill_whose_slot_map_is_stale_reads_a_moved_value_through_the_client(tmp_path) -> None:
+    """A value's slot moved to another node after the reading server learned the slot map: the direct reader
+    asks the old node, is told MOVED, and the client reads it from the new one; the fill is whole and exact."""
+    from kvstrata.core.store.l2.tier import SharedTier
+
+    with ValkeyCluster(tmp_path / "valkey") as own:
+        hosts = TwoHosts(own)  # B's backend learns the slot map now
+        try:
+            key, digests, payloads = hosts.store_on_a(7, 2)
+            moved = SharedTier.object_keys(key, digests[1], TOKENS, SHAPE, DTYPE)[1]
+            cluster = hosts.tier_a.backend._cluster
+            slot = cluster.keyslot(moved.name())
+            source = cluster.get_node_from_key(moved.name()).port
+            target = next(p for p in own.ports if p != source)
+            ids = {p: own._client(p).execute_command("CLUSTER", "MYID") for p in own.ports}
+            ids = {p: (i.decode() if isinstance(i, bytes) else i) for p, i in ids.items()}
+            own._client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+            own._client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+            names = own._client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            own._client(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *names)
+            for port in own.ports:
+                own._client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+            assert hosts.tier_b.backend._cluster.get_node_from_key(moved.name()).port == source  # stale
+            assert hosts.fill_b(key, digests) == 2
+            assert hosts.tier_b.wait_fills(BOUND)
+            found = hosts.b.lookup(key.request_id, digests, lock=False)
+            assert [bytes(hosts.b.object_bytes(o)) for o in found] == payloads
+            assert not any(k.startswith("miss_") and v for k, v in hosts.tier_b.stats().items())
+        finally:
             hosts.close()

@@ -27,6 +27,11 @@ class TierBackend(Protocol):
     def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Store each value under its name (replacing what was there)."""
 
+    def direct_reader(self) -> Any:
+        """A reader that receives values straight into the pool (``read_into``, see
+        :class:`~kvstrata.core.store.l2.valkey_reader.DirectReader`) for one thread, or None where this backend
+        has none and its ``get_many`` values are copied in."""
+
     def describe(self) -> dict[str, Any]:
         """Its nodes, whether each answers, and what each holds (``used_bytes``, ``max_bytes``, ``values``), for
         ``kvstrata status``; may take up to the timeout per node that does not answer."""

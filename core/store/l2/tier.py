@@ -143,6 +143,9 @@ class SharedTier:
         """Streams published fills' bytes in, one fill after another, in the order their LOOKUPs came."""
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-l2-reader")
         """Reads the next batch of a fill while the fill's thread checks and copies the one before."""
+        self._direct = backend.direct_reader()
+        """Reads values straight into the pool where the backend can (used by the fill thread alone); None:
+        the client's reads, copied in."""
         self._fills_open = 0
         self._fills_changed = threading.Condition()
         self._bad: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -324,9 +327,63 @@ class SharedTier:
         return published
 
     def _stream(self, fill: _Fill) -> None:
-        """Read a published fill's values (the next batch while this thread checks and copies the one before)
-        and end every object of it, complete or failed, whatever happens."""
+        """Read a published fill's values into its objects and end every one of them, complete or failed,
+        whatever happens."""
         batches = self._read_order(fill.keys[:fill.run]) if fill.run else []
+        try:
+            if self._direct is not None:
+                self._stream_direct(fill, batches)
+            else:
+                self._stream_through_client(fill, batches)
+        except BaseException as exc:  # noqa: BLE001 - on this thread nobody else would see it
+            log.error("shared tier: a fill stopped: %s: %s", type(exc).__name__, exc)
+        finally:
+            fill.fail_from(0)  # whatever has not arrived whole by now never will
+            self._bump("fetched", fill.completed)
+            self._bump("fetched_bytes", fill.completed_bytes)
+            with self._fills_changed:
+                self._fills_open -= 1
+                self._fills_changed.notify_all()
+
+    def _stream_direct(self, fill: _Fill, batches: list[list[tuple[int, TierKey]]]) -> None:
+        """Each batch's values received straight into the objects (:mod:`.valkey_reader`), then landed in the
+        batch's order (a layer group after the ones before it)."""
+        for batch in batches:
+            if self._closed.is_set():
+                return
+            wanted = [(chunk, key) for chunk, key in batch if fill.target(chunk) is not None]
+            if not wanted:
+                continue
+            items = [(key.name(self.namespace), key, self.store.object_bytes(fill.target(chunk)))
+                     for chunk, key in wanted]
+            started = time.perf_counter()
+            try:
+                outcomes = self._direct.read_into(items)
+            except TierUnavailable as exc:
+                log.warning("shared tier: reading %d values: %s", len(items), exc)
+                if fill.fail_from(min(chunk for chunk, _ in wanted)):
+                    self._bump("miss_unavailable", 1)
+                continue
+            self.fetch_seconds.observe(time.perf_counter() - started)
+            for (chunk, key), outcome in zip(wanted, outcomes):
+                if fill.target(chunk) is None:
+                    continue  # failed meanwhile, by an earlier value of this batch
+                if outcome.landed:
+                    fill.group_landed(chunk, key)
+                elif outcome.redirected:  # moved by a resharding: the client follows it
+                    values = self._get([key])
+                    if values is None:
+                        if fill.fail_from(chunk):
+                            self._bump("miss_unavailable", 1)
+                    else:
+                        self._take_value(fill, chunk, key, values[0])
+                elif outcome.absent:
+                    self._missing(fill, chunk)
+                else:
+                    self._bad_value(fill, chunk, key, outcome.miss)
+
+    def _stream_through_client(self, fill: _Fill, batches: list[list[tuple[int, TierKey]]]) -> None:
+        """The client's reads (the next batch read while this thread checks and copies the one before)."""
         reads: dict[int, concurrent.futures.Future] = {}
 
         def read_ahead(first: int) -> None:
@@ -337,7 +394,7 @@ class SharedTier:
         try:
             for i, batch in enumerate(batches):
                 if self._closed.is_set():
-                    break
+                    return
                 read_ahead(i)
                 if i not in reads:
                     continue  # nothing in it is still wanted
@@ -346,51 +403,49 @@ class SharedTier:
                 if values is None:
                     if fill.fail_from(min(chunk for chunk, _ in batch)):
                         self._bump("miss_unavailable", 1)
-                else:
-                    self._copy_batch(fill, batch, values)
-        except BaseException as exc:  # noqa: BLE001 - on this thread nobody else would see it
-            log.error("shared tier: a fill stopped: %s: %s", type(exc).__name__, exc)
+                    continue
+                for (chunk, key), value in zip(batch, values):
+                    if fill.target(chunk) is not None:
+                        self._take_value(fill, chunk, key, value)
         finally:
             for read in reads.values():
                 read.cancel()
-            fill.fail_from(0)  # whatever has not arrived whole by now never will
-            self._bump("fetched", fill.completed)
-            self._bump("fetched_bytes", fill.completed_bytes)
-            with self._fills_changed:
-                self._fills_open -= 1
-                self._fills_changed.notify_all()
 
     def wait_fills(self, timeout: float) -> bool:
         """Whether every fill begun has ended (complete or failed) within ``timeout`` seconds."""
         with self._fills_changed:
             return self._fills_changed.wait_for(lambda: self._fills_open == 0, timeout)
 
-    def _copy_batch(self, fill: _Fill, batch: list[tuple[int, TierKey]], values: list[bytes | None]) -> None:
-        for (chunk, key), value in zip(batch, values):
-            obj = fill.target(chunk)
-            if obj is None:
-                continue  # L1 held it, or it failed already
-            if value is None:  # gone since the fill looked (evicted by the tier, say)
-                if fill.fail_from(chunk):
-                    self._bump("miss_absent", 1)
-                continue
-            try:
-                payload = decode(key, value)
-            except TierMiss as miss:
-                log.warning("shared tier: chunk %s layers %s is not used: %s", key.chunk_hash.hex()[:12],
-                            key.layers, miss)
-                with self._bad_lock:
-                    self._bad[key.name(self.namespace)] = None
-                    while len(self._bad) > BAD_VALUES_KEPT:
-                        self._bad.popitem(last=False)
-                if fill.fail_from(chunk):
-                    self._bump(f"miss_{miss.reason.value}", 1)
-                continue
-            data, source, at = np.frombuffer(self.store.object_bytes(obj), np.uint8), np.frombuffer(payload, np.uint8), 0
-            for a, b in key.payload_ranges():
-                np.copyto(data[a:b], source[at:at + b - a])  # without the GIL, which the reader's parsing needs
-                at += b - a
-            fill.group_landed(chunk, key)
+    def _take_value(self, fill: _Fill, chunk: int, key: TierKey, value: bytes | None) -> None:
+        """One value the client read for a chunk still filling: checked, copied into its object, landed."""
+        if value is None:  # gone since the fill looked (evicted by the tier, say)
+            self._missing(fill, chunk)
+            return
+        try:
+            payload = decode(key, value)
+        except TierMiss as miss:
+            self._bad_value(fill, chunk, key, miss)
+            return
+        data, source, at = np.frombuffer(self.store.object_bytes(fill.target(chunk)), np.uint8), \
+            np.frombuffer(payload, np.uint8), 0
+        for a, b in key.payload_ranges():
+            np.copyto(data[a:b], source[at:at + b - a])  # without the GIL, which the reader's parsing needs
+            at += b - a
+        fill.group_landed(chunk, key)
+
+    def _missing(self, fill: _Fill, chunk: int) -> None:
+        if fill.fail_from(chunk):
+            self._bump("miss_absent", 1)
+
+    def _bad_value(self, fill: _Fill, chunk: int, key: TierKey, miss: TierMiss) -> None:
+        """A value that did not check out: its chunk and those after it fail, and it is remembered."""
+        log.warning("shared tier: chunk %s layers %s is not used: %s", key.chunk_hash.hex()[:12], key.layers, miss)
+        with self._bad_lock:
+            self._bad[key.name(self.namespace)] = None
+            while len(self._bad) > BAD_VALUES_KEPT:
+                self._bad.popitem(last=False)
+        if fill.fail_from(chunk):
+            self._bump(f"miss_{miss.reason.value}", 1)
 
     def stats(self) -> dict:
         with self._cond, self._counts_lock:
@@ -407,5 +462,7 @@ class SharedTier:
         self._filler.shutdown(wait=True)  # every fill ends, its objects complete or failed
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._health.join(timeout=30)
+        if self._direct is not None:
+            self._direct.close()
         self.store.unpin([q.obj for q in left])
         self.backend.close()

@@ -13,6 +13,7 @@ import stat
 from typing import Any, Sequence
 
 from kvstrata.core.store.l2.backend import TierUnavailable
+from kvstrata.core.store.l2.valkey_reader import DirectReader
 
 
 def parse_nodes(address: str) -> tuple[bool, list[tuple[str, int]]]:
@@ -53,6 +54,8 @@ class ValkeyBackend:
 
         self.nodes = list(nodes)
         self.timeout = timeout
+        self.tls = tls
+        self._username, self._password = username, password
         try:
             self._cluster = ValkeyCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], username=username, password=password,
@@ -77,6 +80,18 @@ class ValkeyBackend:
             return list(self._cluster.mget_nonatomic(list(names)))
         except Exception as exc:  # noqa: BLE001
             raise TierUnavailable(f"reading {len(names)} values from {self._where()}: {exc}") from None
+
+    def direct_reader(self) -> DirectReader | None:
+        """A reader of values straight into the pool, for one thread (:mod:`.valkey_reader`); None with TLS,
+        where the client's own TLS setup reads every value."""
+        if self.tls:
+            return None
+
+        def node_of(name: str) -> tuple[str, int]:
+            node = self._cluster.get_node_from_key(name)
+            return node.host, node.port
+
+        return DirectReader(node_of, timeout=self.timeout, username=self._username, password=self._password)
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         if not names:

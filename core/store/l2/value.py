@@ -116,6 +116,14 @@ class TierMiss(Exception):
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
 
+    @classmethod
+    def other(cls, detail: str) -> "TierMiss":
+        return cls(MissReason.OTHER_KEY, detail)
+
+    @classmethod
+    def checksum(cls) -> "TierMiss":
+        return cls(MissReason.CHECKSUM, "the checksum does not match the key and payload")
+
 
 def _checksum(packed_key: bytes | memoryview, parts: Sequence[memoryview]) -> int:
     """XXH3-64 over the key, the payload's length and the payload (given in parts)."""
@@ -130,12 +138,34 @@ def _checksum(packed_key: bytes | memoryview, parts: Sequence[memoryview]) -> in
 def encode(key: TierKey, *payload: bytes | memoryview) -> bytes:
     """The value to store for ``key``'s layer group, whose payload is the concatenation of ``payload``'s
     parts (an object's K and V ranges, :meth:`TierKey.payload_ranges`, need no copy to be joined first)."""
-    packed_key = msgpack.packb(key.to_wire(), use_bin_type=True)
-    if len(packed_key) > MAX_KEY_BYTES:
-        raise ValueError(f"an L2 key packs to {len(packed_key)} bytes, more than {MAX_KEY_BYTES}")
+    packed_key = _packed(key)
     parts = [memoryview(p).cast("B") for p in payload]
     return b"".join((_HEAD.pack(MAGIC, FORMAT, len(packed_key)), packed_key,
                      _TAIL.pack(sum(len(p) for p in parts), _checksum(packed_key, parts)), *parts))
+
+
+def _packed(key: TierKey) -> bytes:
+    packed_key = msgpack.packb(key.to_wire(), use_bin_type=True)
+    if len(packed_key) > MAX_KEY_BYTES:
+        raise ValueError(f"an L2 key packs to {len(packed_key)} bytes, more than {MAX_KEY_BYTES}")
+    return packed_key
+
+
+def expected_header(key: TierKey) -> bytes:
+    """The bytes before the payload of ``key``'s value, its checksum (the last 8) zero: what a reader compares
+    a value's header with before it lets any payload byte in."""
+    packed_key = _packed(key)
+    return _HEAD.pack(MAGIC, FORMAT, len(packed_key)) + packed_key + _TAIL.pack(key.payload_bytes, 0)
+
+
+def payload_checksum_of(header: bytes | memoryview, parts: Sequence[memoryview]) -> bool:
+    """Whether the checksum in a value's ``header`` (one :func:`expected_header` matched but for it) is that of
+    its key and the payload now in ``parts``."""
+    header = memoryview(header).cast("B")
+    key_len = _HEAD.unpack_from(header)[2]
+    packed_key = header[_HEAD.size:_HEAD.size + key_len]
+    _, checksum = _TAIL.unpack_from(header, _HEAD.size + key_len)
+    return _checksum(packed_key, parts) == checksum
 
 
 def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
@@ -164,5 +194,5 @@ def decode(expected: TierKey, value: bytes | memoryview) -> memoryview:
     if len(payload) != payload_len:
         raise TierMiss(MissReason.LENGTH, f"payload of {len(payload)} bytes, its header says {payload_len}")
     if _checksum(packed_key, [payload]) != checksum:
-        raise TierMiss(MissReason.CHECKSUM, "the checksum does not match the key and payload")
+        raise TierMiss.checksum()
     return payload

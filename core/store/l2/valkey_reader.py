@@ -1,0 +1,183 @@
+"""Values read from Valkey nodes straight into the L1 pool, with no copy in between.
+
+The client library (``valkey``) reads a reply into its own buffer and hands back a ``bytes`` object, which the
+fill then copies into the pool: two copies of every byte beside the kernel's, and the parsing in Python. This
+reader speaks the few lines of RESP a pipelined ``GET`` needs on its own socket to each node, reads each value's
+header into a small buffer, checks it against the header the expected key gives before any payload byte is
+read, and only then receives the payload into the object's ranges in the pool (``recv_into``), its checksum
+taken from the pool afterwards. A reply of any other length or header is read aside and judged by
+:func:`~kvstrata.core.store.l2.value.decode`, never into the pool.
+
+What this reader does not handle it hands back for the client to read: a ``MOVED``/``ASK`` redirection (a
+resharding: the client follows it and refreshes its slot map), and TLS clusters (``valkeys://``), where the
+client's own TLS setup is used for every read.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvstrata.core.store.l2.backend import TierUnavailable
+from kvstrata.core.store.l2.value import TierKey, TierMiss, decode, expected_header, payload_checksum_of
+
+
+@dataclass
+class Outcome:
+    """What became of one value read into the pool."""
+
+    landed: bool = False
+    absent: bool = False
+    miss: TierMiss | None = None
+    redirected: bool = False
+    """The node answered MOVED/ASK (or an error): the client must read this one."""
+
+
+class _Node:
+    """One connection to one node, used by one thread at a time."""
+
+    def __init__(self, host: str, port: int, timeout: float, username: str | None, password: str | None) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray()
+        if password is not None:
+            args = ["AUTH", username, password] if username else ["AUTH", password]
+            self.sock.sendall(command(*args))
+            line = self.line()
+            if not line.startswith(b"+"):
+                raise TierUnavailable(f"{host}:{port} refused the password: {line[:80]!r}")
+
+    def line(self) -> bytes:
+        """The next CRLF-terminated line, without its CRLF."""
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                out = bytes(self.buf[:end])
+                del self.buf[:end + 2]
+                return out
+            self._more()
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the node closed the connection")
+        self.buf += chunk
+
+    def exactly_into(self, view: memoryview) -> None:
+        """Fill ``view`` with the next ``len(view)`` bytes (those already buffered first)."""
+        taken = min(len(self.buf), len(view))
+        if taken:
+            view[:taken] = self.buf[:taken]
+            del self.buf[:taken]
+        while taken < len(view):
+            n = self.sock.recv_into(view[taken:])
+            if n == 0:
+                raise ConnectionError("the node closed the connection")
+            taken += n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def command(*args: str) -> bytes:
+    """One RESP command."""
+    parts = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        data = a.encode()
+        parts += [f"${len(data)}\r\n".encode(), data, b"\r\n"]
+    return b"".join(parts)
+
+
+class DirectReader:
+    """Pipelined GETs straight into the pool, one connection per node (see the module docstring)."""
+
+    def __init__(self, node_of: Callable[[str], tuple[str, int]], *, timeout: float, username: str | None = None,
+                 password: str | None = None) -> None:
+        self.node_of = node_of
+        self.timeout = timeout
+        self.username = username
+        self.password = password
+        self._nodes: dict[tuple[str, int], _Node] = {}
+
+    def _node(self, where: tuple[str, int]) -> _Node:
+        node = self._nodes.get(where)
+        if node is None:
+            node = self._nodes[where] = _Node(*where, self.timeout, self.username, self.password)
+        return node
+
+    def read_into(self, items: Sequence[tuple[str, TierKey, memoryview]]) -> list[Outcome]:
+        """Read each ``(name, key, object bytes)``'s value, its payload into the object's ranges for ``key``;
+        one outcome per item, in order. Raises :class:`TierUnavailable` when a node does not answer in time."""
+        outcomes = [Outcome() for _ in items]
+        by_node: dict[tuple[str, int], list[int]] = {}
+        for i, (name, _, _) in enumerate(items):
+            by_node.setdefault(self.node_of(name), []).append(i)
+        try:
+            for where, indices in by_node.items():
+                self._node(where).sock.sendall(b"".join(command("GET", items[i][0]) for i in indices))
+            for where, indices in by_node.items():
+                node = self._node(where)
+                for i in indices:
+                    self._read_one(node, items[i][1], items[i][2], outcomes[i])
+        except (OSError, ConnectionError) as exc:
+            for where in by_node:  # whatever they still owe is lost with them
+                node = self._nodes.pop(where, None)
+                if node is not None:
+                    node.close()
+            raise TierUnavailable(f"reading {len(items)} values: {exc}") from None
+        return outcomes
+
+    def _read_one(self, node: _Node, key: TierKey, data: memoryview, outcome: Outcome) -> None:
+        line = node.line()
+        if line.startswith(b"-"):
+            outcome.redirected = True  # MOVED, ASK, or an error the client reports better
+            return
+        if not line.startswith(b"$"):
+            raise ConnectionError(f"unexpected reply {line[:40]!r}")
+        length = int(line[1:])
+        if length < 0:
+            outcome.absent = True
+            return
+        header = expected_header(key)
+        if length != len(header) + key.payload_bytes:
+            outcome.miss = self._judge_aside(node, key, length)
+            return
+        got = memoryview(bytearray(len(header)))
+        node.exactly_into(got)
+        if got[:-8] != header[:-8]:  # everything but the checksum is known before the payload is read
+            rest = bytearray(length - len(header))
+            node.exactly_into(memoryview(rest))
+            node.line()
+            try:
+                decode(key, bytes(got) + bytes(rest))
+                outcome.miss = TierMiss.other("header differs from the expected one")
+            except TierMiss as miss:
+                outcome.miss = miss
+            return
+        ranges = [data[a:b] for a, b in key.payload_ranges()]
+        for view in ranges:
+            node.exactly_into(view)
+        if node.line() != b"":
+            raise ConnectionError("a value's bulk reply did not end where its length said")
+        if payload_checksum_of(got, ranges):
+            outcome.landed = True
+        else:
+            outcome.miss = TierMiss.checksum()
+
+    @staticmethod
+    def _judge_aside(node: _Node, key: TierKey, length: int) -> TierMiss:
+        """Read a value that is not the expected one into a scratch buffer; why it is a miss."""
+        value = bytearray(length)
+        node.exactly_into(memoryview(value))
+        node.line()
+        try:
+            decode(key, value)
+        except TierMiss as miss:
+            return miss
+        return TierMiss.other("its length differs from the expected one")
+
+    def close(self) -> None:
+        for node in self._nodes.values():
+            node.close()
+        self._nodes.clear()
