@@ -419,3 +419,36 @@ def test_a_fill_whose_slot_map_is_stale_reads_a_moved_value_through_the_client(t
             assert not any(k.startswith("miss_") and v for k, v in hosts.tier_b.stats().items())
         finally:
             hosts.close()
+
+
+def test_the_direct_reader_reads_values_that_are_not_the_expected_ones_aside_and_stays_in_step(cluster) -> None:
+    """In one pipeline: a value far longer than expected, one of another model with a header of the same length,
+    one absent, and good ones after each: the odd ones are misses with their reason, nothing of theirs reaches the
+    destination, and every good one lands byte-exact (the connection never falls out of step)."""
+    import dataclasses
+
+    from kvstrata.core.store.l2.value import MissReason
+
+    backend = open_backend(cluster.addresses)
+    reader = backend.direct_reader()
+    try:
+        keys = [tier_key(9000 + i) for i in range(7)]
+        payloads = [os.urandom(k.payload_bytes) for k in keys]
+        good = [(k.name(), encode(k, p)) for k, p in zip(keys, payloads)]
+        forged = dataclasses.replace(keys[2], model="n")  # same length as "m": the header differs, not its size
+        backend.set_many([good[1], good[3], good[5], good[6],
+                          (keys[0].name(), b"\7" * (3 * len(good[0][1]))),
+                          (keys[2].name(), encode(forged, payloads[2]))])
+        backend._cluster.delete(keys[4].name())
+        into = [bytearray(k.object_bytes) for k in keys]
+        outcomes = reader.read_into([(k.name(), k, memoryview(b)) for k, b in zip(keys, into)])
+        assert outcomes[0].miss is not None and outcomes[0].miss.reason is MissReason.LENGTH
+        assert outcomes[2].miss is not None and outcomes[2].miss.reason is MissReason.OTHER_KEY
+        assert outcomes[4].absent
+        assert not any(into[0]) and not any(into[2]) and not any(into[4])  # nothing of theirs reached the pool
+        for i in (1, 3, 5, 6):
+            assert outcomes[i].landed, (i, outcomes[i])
+            assert b"".join(into[i][a:b] for a, b in keys[i].payload_ranges()) == payloads[i]
+    finally:
+        reader.close()
+        backend.close()

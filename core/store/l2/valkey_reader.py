@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvstrata.core.store.l2.backend import TierUnavailable
-from kvstrata.core.store.l2.value import TierKey, TierMiss, decode, expected_header, payload_checksum_of
+from kvstrata.core.store.l2.value import MissReason, TierKey, TierMiss, decode, expected_header, payload_checksum_of
 
 
 @dataclass
@@ -39,14 +39,18 @@ class _Node:
 
     def __init__(self, host: str, port: int, timeout: float, username: str | None, password: str | None) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray()
-        if password is not None:
-            args = ["AUTH", username, password] if username else ["AUTH", password]
-            self.sock.sendall(command(*args))
-            line = self.line()
-            if not line.startswith(b"+"):
-                raise TierUnavailable(f"{host}:{port} refused the password: {line[:80]!r}")
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if password is not None:
+                args = ["AUTH", username, password] if username else ["AUTH", password]
+                self.sock.sendall(command(*args))
+                line = self.line()
+                if not line.startswith(b"+"):
+                    raise ConnectionError(f"{host}:{port} refused the password: {line[:80]!r}")
+        except BaseException:
+            self.sock.close()
+            raise
 
     def line(self) -> bytes:
         """The next CRLF-terminated line, without its CRLF."""
@@ -120,7 +124,7 @@ class DirectReader:
                 node = self._node(where)
                 for i in indices:
                     self._read_one(node, items[i][1], items[i][2], outcomes[i])
-        except (OSError, ConnectionError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a socket, a reply we cannot parse: the connections are out of step
             for where in by_node:  # whatever they still owe is lost with them
                 node = self._nodes.pop(where, None)
                 if node is not None:
@@ -167,7 +171,18 @@ class DirectReader:
 
     @staticmethod
     def _judge_aside(node: _Node, key: TierKey, length: int) -> TierMiss:
-        """Read a value that is not the expected one into a scratch buffer; why it is a miss."""
+        """Read a value that is not the expected one aside (into a scratch buffer, or where it is far larger
+        than the expected one, through a small one and dropped); why it is a miss."""
+        expected = len(expected_header(key)) + key.payload_bytes
+        if length > 2 * expected:
+            scratch = memoryview(bytearray(1 << 20))
+            left = length
+            while left:
+                step = min(left, len(scratch))
+                node.exactly_into(scratch[:step])
+                left -= step
+            node.line()
+            return TierMiss(MissReason.LENGTH, f"a value of {length} bytes where {expected} were expected")
         value = bytearray(length)
         node.exactly_into(memoryview(value))
         node.line()
