@@ -433,10 +433,10 @@ class CacheServer:
         return [[o.offset, o.nbytes, o.num_tokens, o.slot, o.generation] for o in objects]
 
     def _pool_ref(self) -> dict[str, Any]:
-        """The L1 pool as an engine maps it: the segment's name and size, and its generation table's."""
+        """The L1 pool as an engine maps it: the segment's name and size, and its generation table's (``2 *
+        slots`` words: the generations, then the landed words, :func:`~kvstrata.core.store.l1_store.split_generation_table`)."""
         return {"name": self.store.segment.name, "size": self.store.capacity,
                 "generations": {"name": self.store.generation_segment.name, "slots": self.store.max_objects}}
-        # the segment holds 2 * slots words: the generations, then the landed words (l1_store)
 
     def free_lookup_locks(self, request_id: str) -> int:
         """Release the lookup locks of lock owner ``request_id`` (a request's, or one rank's of it); how many."""

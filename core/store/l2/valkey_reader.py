@@ -144,20 +144,14 @@ class DirectReader:
             outcome.absent = True
             return
         header = expected_header(key)
-        if length != len(header) + key.payload_bytes:
-            outcome.miss = self._judge_aside(node, key, length)
+        expected = len(header) + key.payload_bytes
+        if length != expected:
+            outcome.miss = self._judge_aside(node, key, length, expected)
             return
         got = memoryview(bytearray(len(header)))
         node.exactly_into(got)
         if got[:-8] != header[:-8]:  # everything but the checksum is known before the payload is read
-            rest = bytearray(length - len(header))
-            node.exactly_into(memoryview(rest))
-            node.line()
-            try:
-                decode(key, bytes(got) + bytes(rest))
-                outcome.miss = TierMiss.other("header differs from the expected one")
-            except TierMiss as miss:
-                outcome.miss = miss
+            outcome.miss = self._judge_aside(node, key, length, expected, bytes(got))
             return
         ranges = [data[a:b] for a, b in key.payload_ranges()]
         for view in ranges:
@@ -170,27 +164,27 @@ class DirectReader:
             outcome.miss = TierMiss.checksum()
 
     @staticmethod
-    def _judge_aside(node: _Node, key: TierKey, length: int) -> TierMiss:
-        """Read a value that is not the expected one aside (into a scratch buffer, or where it is far larger
-        than the expected one, through a small one and dropped); why it is a miss."""
-        expected = len(expected_header(key)) + key.payload_bytes
+    def _judge_aside(node: _Node, key: TierKey, length: int, expected: int, head: bytes = b"") -> TierMiss:
+        """Read the rest of a value that is not the expected one (``head``: its first bytes, read already)
+        aside, into a scratch buffer, or where it is far longer than the ``expected`` length, through a small
+        one and dropped; why it is a miss."""
+        left = length - len(head)
         if length > 2 * expected:
             scratch = memoryview(bytearray(1 << 20))
-            left = length
             while left:
                 step = min(left, len(scratch))
                 node.exactly_into(scratch[:step])
                 left -= step
             node.line()
             return TierMiss(MissReason.LENGTH, f"a value of {length} bytes where {expected} were expected")
-        value = bytearray(length)
-        node.exactly_into(memoryview(value))
+        rest = bytearray(left)
+        node.exactly_into(memoryview(rest))
         node.line()
         try:
-            decode(key, value)
+            decode(key, head + rest)
         except TierMiss as miss:
             return miss
-        return TierMiss.other("its length differs from the expected one")
+        return TierMiss.other("it differs from the expected value of its key")
 
     def close(self) -> None:
         for node in self._nodes.values():
