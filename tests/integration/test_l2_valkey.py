@@ -148,16 +148,9 @@ def test_a_value_moved_by_a_resharding_is_found_through_ask_and_moved(tmp_path) 
             tier.set_many([(key.name(), encode(key, b"\5" * 4096))])
             cluster = tier._cluster
             slot = cluster.keyslot(key.name())
-            source = cluster.get_node_from_key(key.name()).port
-            target = next(p for p in own.ports if p != source)
-            ids = {p: own._client(p).execute_command("CLUSTER", "MYID") for p in own.ports}
-            ids = {p: (i.decode() if isinstance(i, bytes) else i) for p, i in ids.items()}
-            own._client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
-            own._client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
-            own._client(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", key.name())
+            target = own.start_moving_slot(slot, cluster.get_node_from_key(key.name()).port)
             assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"\5" * 4096  # ASK from the source
-            for port in own.ports:
-                own._client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+            own.finish_moving_slot(slot, target)
             assert bytes(decode(key, tier.get_many([key.name()])[0])) == b"\5" * 4096  # MOVED, then the target
             assert cluster.get_node_from_key(key.name()).port == target
         finally:
@@ -402,15 +395,7 @@ def test_a_fill_whose_slot_map_is_stale_reads_a_moved_value_through_the_client(t
             cluster = hosts.tier_a.backend._cluster
             slot = cluster.keyslot(moved.name())
             source = cluster.get_node_from_key(moved.name()).port
-            target = next(p for p in own.ports if p != source)
-            ids = {p: own._client(p).execute_command("CLUSTER", "MYID") for p in own.ports}
-            ids = {p: (i.decode() if isinstance(i, bytes) else i) for p, i in ids.items()}
-            own._client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
-            own._client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
-            names = own._client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
-            own._client(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *names)
-            for port in own.ports:
-                own._client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+            own.finish_moving_slot(slot, own.start_moving_slot(slot, source))
             assert hosts.tier_b.backend._cluster.get_node_from_key(moved.name()).port == source  # stale
             assert hosts.fill_b(key, digests) == 2
             assert hosts.tier_b.wait_fills(BOUND)

@@ -151,6 +151,28 @@ class ValkeyCluster:
             time.sleep(0.05)
         raise TimeoutError(f"waited in vain for {what} (last error: {last})")
 
+    def _node_id(self, port: int) -> str:
+        node_id = self._client(port).execute_command("CLUSTER", "MYID")
+        return node_id.decode() if isinstance(node_id, bytes) else node_id
+
+    def start_moving_slot(self, slot: int, source: int) -> int:
+        """Begin a resharding: hash slot ``slot`` migrates from node ``source`` (a port) to another node, and every
+        key in it moves there; the source then answers ASK for them. Returns the target's port."""
+        target = next(p for p in self.ports if p != source)
+        self._client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self._node_id(source))
+        self._client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self._node_id(target))
+        names = self._client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if names:
+            self._client(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *names)
+        return target
+
+    def finish_moving_slot(self, slot: int, target: int) -> None:
+        """End a migration :meth:`start_moving_slot` began: every node assigns the slot to ``target`` (a client
+        that still maps it to the source is answered MOVED)."""
+        target_id = self._node_id(target)
+        for port in self.ports:
+            self._client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
     def kill(self, index: int) -> None:
         """SIGKILL one node, as a crash would."""
         proc = self.procs[index]
