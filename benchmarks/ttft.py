@@ -17,10 +17,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   named with ``-retrieve`` (``engine-retrieve``) asks RETRIEVE first instead (that A/B). One named with
   ``-ctasN`` (``engine-ctas33``) bounds the engine-placement scatter kernel to N thread blocks per launch (the
   default is two per SM); ``-bufsN`` (``engine-bufs4``) gives its copies N staging buffers (the default is
-  two); ``-aheadN`` (``engine-ahead0``) lets its transfer queue enqueue N MiB of copies ahead of those that
-  landed (0: every slice at once; the default is ``ENQUEUE_AHEAD_BYTES``); ``-handoverN`` (``engine-handover1``)
-  has its transfer queue, after a load's release, wait until the engine's layer waits took N of its slices
-  before enqueuing more (the default is ``HANDOVER_SLICES``); ``-priohigh`` (``engine-priohigh``) runs its copy
+  two); ``-priohigh`` (``engine-priohigh``) runs its copy
   and scatter streams at the highest priority (the
   default is normal priority; ``-prio0`` names it).
 * The engine's thread between polls: it sleeps 20 us (``--engine-loop sleep``, the default) or stays in
@@ -88,16 +85,6 @@ def staging_buffers(placement: str) -> tuple[str, int | None]:
     return numbered_suffix(placement, "-bufs")
 
 
-def handover_slices(placement: str) -> tuple[str, int | None]:
-    """(the placement without a ``-handoverN`` suffix, N or None: the transfer queue's default hand-over)."""
-    return numbered_suffix(placement, "-handover")
-
-
-def enqueue_ahead(placement: str) -> tuple[str, int | None]:
-    """(the placement without an ``-aheadN`` suffix, N MiB or None: the transfer queue's default bound)."""
-    return numbered_suffix(placement, "-ahead")
-
-
 PRIORITY_SUFFIXES = {"-prio0": 0, "-priohigh": -1}
 """An engine-placement placement ending in ``-priohigh`` runs its copy and scatter streams at the highest priority
 (-1), one ending in ``-prio0`` at normal priority (0, the default: the highest was no faster with the engine
@@ -131,33 +118,23 @@ class ArmSettings:
     priority: int | None = None
     ctas: int | None = None
     buffers: int | None = None
-    handover: int | None = None
-    ahead: int | None = None
-    """MiB the transfer queue enqueues ahead of the landed copies; 0: no bound."""
-
-    def enqueue_ahead_bytes(self, default: int) -> int | None:
-        """``EnginePlacement``'s ``enqueue_ahead_bytes`` for this arm (None: no bound)."""
-        return default if self.ahead is None else (self.ahead << 20 or None)
 
 
 def arm_settings(placement: str) -> ArmSettings:
-    """Parse a placement name: a base, then suffixes in the order ``-aheadN``,
-    ``-handoverN``, ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
+    """Parse a placement name: a base, then suffixes in the order ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
     that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
     base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
     base, priority = copy_priority(base.removesuffix(LOCATE_SUFFIX))
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
-    base, handover = handover_slices(base)
-    base, ahead = enqueue_ahead(base)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -aheadN, -handoverN, -bufsN, -ctasN, -prio0/-priohigh, "
+                         "go in the order -bufsN, -ctasN, -prio0/-priohigh, "
                          "-retrieve)")
-    if base == "server" and ((ctas, buffers, priority, handover, ahead, _twin) != (None,) * 6
+    if base == "server" and ((ctas, buffers, priority, _twin) != (None,) * 4
                              or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-placement arms only")
-    return ArmSettings(base, priority, ctas, buffers, handover, ahead)
+    return ArmSettings(base, priority, ctas, buffers)
 
 
 @dataclass(frozen=True)
@@ -170,6 +147,22 @@ class Shapes:
     mlp: int = 14336
     vocab: int = 128256
     block: int = 16
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} q heads, {self.kv_heads} KV heads x "
+                f"{self.head}, MLP {self.mlp}, vocab {self.vocab}, bf16 random weights")
+
+
+SHAPES = {
+    "llama-3.1-8b": Shapes(),
+    # one GPU's shard of Llama-3.1-70B served with tensor parallelism 8: many layers, one KV head each, and
+    # little compute per layer (no all-reduce is run, so the compute is if anything understated)
+    "llama-3.1-70b-tp8": Shapes(layers=80, hidden=8192, heads=8, kv_heads=1, head=128, mlp=3584),
+    # a GQA model of another family: Qwen2.5-7B
+    "qwen2.5-7b": Shapes(layers=28, hidden=3584, heads=28, kv_heads=4, head=128, mlp=18944, vocab=152064),
+}
+"""``--shape``: the model shapes the benchmark computes (an MLA model is not among them: the GPU caches of the
+test support have no MLA layout yet)."""
 
 
 # --- the engine's compute --------------------------------------------------------------
@@ -296,9 +289,11 @@ class CopyProbe:
         if s is None:
             s = self._streams[stream] = torch.cuda.ExternalStream(stream)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(s)
+        a.record(s)  # creates the events' handles; the records that count go through the copier's issuer, in
+        b.record(s)  # order with the call they bracket
+        self.ext.event_record(a.cuda_event, stream)
         out = call(*args)
-        b.record(s)
+        self.ext.event_record(b.cuda_event, stream)
         self.marks.setdefault(kind, []).append((a, b))
         return out
 
@@ -405,7 +400,6 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.core.engine.engine_placement import EnginePlacement
     from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.core.engine.registration_area import RegistrationArea
-    from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
@@ -441,9 +435,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             rig.staging.append(staging)
             worker = EnginePlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      local_regions=cache.region_tensors(),
-                                     registration_layout=staging.layout,
-                                     handover_slices=arm.handover or HANDOVER_SLICES,
-                                     enqueue_ahead_bytes=arm.enqueue_ahead_bytes(ENQUEUE_AHEAD_BYTES))
+                                     registration_layout=staging.layout)
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
@@ -655,6 +647,9 @@ def arm_name(placement: str | None, width: int | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix", type=int, default=15104, help="cached prefix tokens per request")
+    p.add_argument("--max-pool-gib", type=float, default=48.0, help="leave out concurrency levels whose prefixes "
+                   "would need a larger pool (recorded as concurrency_skipped)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b", help="the model shape computed")
     p.add_argument("--new", default="256,1024,2048", help="new tokens per request, concurrency 1")
     p.add_argument("--formats", default=",".join(ENGINE_FORMATS))
     p.add_argument("--widths", default="0,1,2,4,8", help="0 = chunk-major")
@@ -664,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency-reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--pool-gib", type=float, default=32.0, help="the server's L1 pool (registered for DMA by each "
+    p.add_argument("--pool-gib", type=float, default=0.0, help="the server's L1 pool, 0: sized to the run (registered for DMA by each "
                                                                 "engine-placement worker: its cost is recorded)")
     p.add_argument("--stream-pad", type=int, default=0, help="diagnostic: pool streams taken before each "
                    "engine-placement arm's copier (see build_rig)")
@@ -703,14 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvstrata.core.wire.client import CacheClient
     from kvstrata.native import cuda_ext
 
-    s = Shapes()
+    s = SHAPES[args.shape]
     if args.prefix % args.chunk or args.chunk % s.block:
         raise SystemExit("--prefix must be a multiple of --chunk, and --chunk of the block size 16")
     formats = [f for f in args.formats.split(",") if f]
     widths = [int(w) for w in args.widths.split(",")]
     placements = [x for x in args.placements.split(",") if x]
-    if "server" not in placements:
-        raise SystemExit("--placements must include server: the prefixes are stored through it")
+    built = placements if "server" in placements else ["server", *placements]  # the prefixes are stored through it
     try:
         for placement in placements:
             arm_settings(placement)
@@ -718,7 +712,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--placements: {exc}") from None
     news = [int(n) for n in args.new.split(",")]
     concs = [int(c) for c in args.concurrency.split(",") if c]
+    request_bytes = args.prefix * s.layers * 2 * s.kv_heads * s.head * 2
+    fits = max(1, int(args.max_pool_gib * (1 << 30) * 20 // 21 // request_bytes))
+    skipped_concs = [c for c in concs if c > fits]  # their prefixes would not fit a pool this machine can hold
+    concs = [c for c in concs if c <= fits]
     max_conc = max([1, *concs])
+    # --pool-gib 0: room for every request's prefix and a margin, so no arm registers more than the run needs
+    pool_bytes = int(args.pool_gib * (1 << 30)) or max_conc * request_bytes * 21 // 20 + (1 << 30)
     cuda_ext.load()
     torch.manual_seed(0)
     result: dict[str, Any] = {
@@ -726,16 +726,14 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
-                   "pool_gib": args.pool_gib, "stream_pad": args.stream_pad, "first_use": args.first_use,
+                   "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
                    "prewarm": args.prewarm, "probe_copies": args.probe_copies, "server_args": args.server_args,
-                   "model": "Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q heads, 8 KV heads x 128, MLP 14336, "
-                            "bf16 random weights",
-                   "prefix_bytes_per_request": args.prefix * s.layers * 2 * s.kv_heads * s.head * 2},
+                   "shape": args.shape, "model": s.describe(),
+                   "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs},
         "formats": {}, "errors": {}}
     model = Decoder(s, torch.device("cuda"))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32000, (args.prefix,), generator=gen).tolist() for _ in range(max_conc)]
-    pool_bytes = int(args.pool_gib * (1 << 30))
     with ServerProcess(l1_bytes=pool_bytes, chunk_size=args.chunk, log_level="WARNING",
                        extra_args=shlex.split(args.server_args)) as srv:
         client = CacheClient(srv.address, timeout=120.0)
@@ -743,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for f_index, fmt in enumerate(formats):
                 t_fmt = time.perf_counter()
-                rig = build_rig(fmt, client, s, prompts, args.prefix, placements, args.chunk, 10 * (f_index + 1),
+                rig = build_rig(fmt, client, s, prompts, args.prefix, built, args.chunk, 10 * (f_index + 1),
                                 stream_pad=args.stream_pad, prewarm_what=args.prewarm)
                 try:
                     fres: dict[str, Any] = {"register_s": rig.register_s, "streams": rig.streams}
@@ -792,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  args.probe_copies)
                         if fmt == formats[0] and new == 1024:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
-                                                for pl in placements if pl in ("server", "engine", "engine-ahead0")}
+                                                for pl in placements if pl in ("server", "engine")}
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}

@@ -37,6 +37,7 @@ protocol, so the chunk-major and layer-major plans run unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -44,7 +45,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ import torch
 from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
+from kvstrata.native.load_issuer import IssuedSlice, LoadIssuer
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +320,10 @@ class CudaTransferEngine:
             self._used = [False] * n
         self._table_slots: list[_TableSlot] = []
         self._table_lock = threading.Lock()
+        self.before_buffer_change: Callable[[], None] = lambda: None
+        """Called before a staging buffer is replaced by a larger one: where GPU work is issued later than it is
+        planned (:class:`~kvstrata.native.load_issuer.LoadIssuer`), what was planned on the old buffer must reach
+        its stream first, since the allocator may hand its memory out again at once."""
         assert len(addrs) == L * kv
 
     # --- executors -------------------------------------------------------------------
@@ -353,6 +359,7 @@ class CudaTransferEngine:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         buf = self._staging[which]
         if buf.numel() < nbytes:
+            self.before_buffer_change()
             with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 buf.record_stream(self.copy_stream)  # used there too: freeing must wait for both streams
@@ -862,8 +869,10 @@ class CudaLocalCopier:
     Built once per mapping of the pool (at registration): the pool, mapped read-only here, is registered for
     DMA then (``register_s`` says what that cost), and the copies run on this process's own streams in the
     engine's CUDA context, so they are not time-sliced against the engine's compute the way a server
-    process's kernels are. Each slice's event is recorded right after it is enqueued: a layer wait makes the
-    engine's stream wait on it, and the CPU never blocks on a copy.
+    process's kernels are. The transfer queue plans each slice inside :meth:`slice_program`; the slice's GPU
+    work, its event's record included, then reaches the GPU through this copier's native
+    :class:`~kvstrata.native.load_issuer.LoadIssuer` thread, and a layer wait makes the engine's stream wait on
+    that event: neither the CPU nor any Python thread waits for a copy.
 
     The streams run at normal priority (:data:`ENGINE_COPY_PRIORITY`): the highest measured no better with the
     engine computing. The copies take turns on two staging buffers (``CudaTransferConfig.staging_buffers``); more
@@ -889,6 +898,12 @@ class CudaLocalCopier:
         config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
         self.pool = pool
         self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
+        self.issuer: LoadIssuer | None = None
+        """Issues what the executors plan (None in torch mode, whose torch calls run as they are made)."""
+        if self.engine.ext is not None:
+            self.issuer = LoadIssuer(self.engine.ext, device_index)
+            self.engine.ext = self.issuer
+            self.engine.before_buffer_change = self.issuer.flush
         self.register_s = time.perf_counter() - t0
         log.info("engine-placement %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
                  "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,
@@ -900,15 +915,36 @@ class CudaLocalCopier:
             return self.engine.executor([span_view(self.pool, signature, off, tokens) for off, tokens in spans])
         return self.engine.pool_executor(spans)
 
-    def mark_slice(self, executor: Any) -> torch.cuda.Event:
-        with torch.cuda.device(self.engine.index):
-            event = torch.cuda.Event()
-            event.record(self.engine.stream)
-        return event
+    def slice_program(self) -> ContextManager[Any]:
+        """Plan one slice inside this: on exit its GPU work goes to the native thread in one call."""
+        return self.issuer.program() if self.issuer is not None else contextlib.nullcontext()
 
-    def finish(self, last_completion: torch.cuda.Event | None) -> None:
+    def mark_slice(self, executor: Any) -> "IssuedSlice | torch.cuda.Event":
+        e = self.engine
+        if self.issuer is None:
+            with torch.cuda.device(e.index):
+                event = torch.cuda.Event()
+                event.record(e.stream)
+            return event
+        event = e._event()  # its handle exists now; the program records it after the slice's copies
+        with self.issuer.program():  # the slice's own program (joined), or one of its own if called outside
+            self.issuer.event_record(event.cuda_event, e.stream.cuda_stream)
+            return IssuedSlice(self.issuer, self.issuer.mark(), event)
+
+    def finish(self, last_completion: "IssuedSlice | torch.cuda.Event | None") -> None:
         if last_completion is not None:
-            last_completion.synchronize()  # releases the GIL while it waits
+            last_completion.synchronize()  # without the GIL while it waits
+
+    @contextlib.contextmanager
+    def _issued(self) -> Any:
+        """Plan inside this; on exit, returns once the plan is on the streams (torch calls may follow it)."""
+        if self.issuer is None:
+            yield
+            return
+        with self.issuer.program():
+            yield
+            cell = self.issuer.mark()
+        self.issuer.wait_issued(cell[0])
 
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
         e = self.engine
@@ -925,13 +961,14 @@ class CudaLocalCopier:
                                                         for i, (_, tokens, position) in enumerate(spans)])
                 executor = self.executor([(offset, tokens) for offset, tokens, _ in spans])
                 try:
-                    executor.gather(job)
+                    with self._issued():
+                        executor.gather(job)
                 finally:
                     close = getattr(executor, "close", None)
                     if close is not None:
                         close()
             except BaseException:
-                e.synchronize()  # nothing enqueued may still write into objects about to be dropped
+                self._synchronize()  # nothing enqueued may still write into objects about to be dropped
                 raise
             if e.copy_stream is not None:
                 copied = torch.cuda.Event()
@@ -941,6 +978,14 @@ class CudaLocalCopier:
             done.record(e.stream)
         return done
 
-    def close(self) -> None:
-        self.engine.close()
+    def _synchronize(self) -> None:
+        """Block until everything planned so far has been issued and has run."""
+        if self.issuer is not None:
+            with self._issued():
+                pass
+        self.engine.synchronize()
 
+    def close(self) -> None:
+        if self.issuer is not None:
+            self.issuer.close()  # issues what is queued first: the engine then waits for it to run
+        self.engine.close()

@@ -13,7 +13,8 @@ property and its device as ``device``; nothing reaches into private names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -29,8 +30,12 @@ class LocalCopier(Protocol):
         """An executor for one retrieve's objects, given as (byte offset in the pool, tokens) as the server
         located them (addresses by arithmetic: no per-object tensor on the way to the first copy)."""
 
+    def slice_program(self) -> ContextManager[Any]:
+        """The queue plans each slice inside this: where a slice's GPU work is issued by a native thread, it is
+        handed over in one call on exit (on the CPU the copies run in the calls)."""
+
     def mark_slice(self, executor: "Executor") -> Any:
-        """Right after a slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
+        """Inside the slice's program, right after the slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
 
     def finish(self, last_completion: Any) -> None:
         """Block the calling (transfer) thread until the slice ``last_completion`` marks has run, and with it
@@ -111,6 +116,9 @@ class HostCopier:
         signature = self.layout.shape_signature()
         objects = [span_view(self.pool, signature, offset, tokens) for offset, tokens in spans]
         return TorchExecutor(self.regions, objects)
+
+    def slice_program(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
 
     def mark_slice(self, executor: "Executor") -> Any:
         return None

@@ -49,7 +49,6 @@ class LayerArrivalGate:
         self._failed: str | None = None
         self._cond = threading.Condition()
         self._released = threading.Event()
-        self._slices_waited = 0
 
     # --- transfer side ---------------------------------------------------------------
 
@@ -72,33 +71,15 @@ class LayerArrivalGate:
                 self._failed = reason
             self._cond.notify_all()
 
-    def wait_released(self, timeout: float) -> bool:
-        """Block (without the GIL) until the engine took the release (:meth:`mark_released`), at most ``timeout``
-        seconds; whether it did."""
-        return self._released.wait(timeout)
-
-    def wait_slices_waited(self, count: int, timeout: float) -> bool:
-        """Block (without the GIL) until the engine's layer waits took the completions of ``count`` slices (its
-        stream is ordered on those copies: it has launched the layers before the last), at most ``timeout``
-        seconds; whether they did."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._slices_waited >= count, timeout)
-
     # --- engine side -----------------------------------------------------------------
 
     def mark_released(self) -> None:
-        """The request went back to the engine (the transfer side may be waiting to see that)."""
+        """The request went back to the engine."""
         self._released.set()
 
     @property
     def released(self) -> bool:
         return self._released.is_set()
-
-    @property
-    def slices_waited(self) -> int:
-        """How many slices' completions the engine's layer waits took so far."""
-        with self._cond:
-            return self._slices_waited
 
     @property
     def arrived_layers(self) -> int:
@@ -139,14 +120,11 @@ class LayerArrivalGate:
             return True
 
     def wait_for_layer(self, layer: int, timeout: float, *, refresh: Callable[[], None] | None = None,
-                       on_completion: Callable[[Any], None] | None = None,
-                       on_missing: Callable[[], None] | None = None, poll_interval: float = 0.0005) -> bool:
+                       on_completion: Callable[[Any], None] | None = None, poll_interval: float = 0.0005) -> bool:
         """Block until ``layer`` has arrived; then, once per slice, hand its completion to ``on_completion``.
 
         ``refresh`` is called while waiting for a source that must be polled (the
-        cross-process board); ``on_missing`` each time the layer is found not recorded
-        yet, before waiting (engine placement: the transfer queue is told to enqueue it
-        now). Returns True if a completion was handed over, False if this slice was
+        cross-process board). Returns True if a completion was handed over, False if this slice was
         already waited on. Raises TransferFailed or LayerWaitTimeout; never blocks
         longer than ``timeout``.
         """
@@ -172,13 +150,7 @@ class LayerArrivalGate:
                         f"layer {layer} did not arrive within {timeout:.3f}s "
                         f"({self._contiguous} of {self.num_layers} layers landed)"
                     )
-                if on_missing is not None:
-                    on_missing()
-                polled = refresh is not None or on_missing is not None
-                self._cond.wait(min(remaining, poll_interval) if polled else remaining)
+                self._cond.wait(min(remaining, poll_interval) if refresh is not None else remaining)
         if on_completion is not None:
             on_completion(completion)
-        with self._cond:
-            self._slices_waited += 1
-            self._cond.notify_all()
         return True

@@ -21,7 +21,6 @@ from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.placement import Placement
 from kvstrata.core.engine.server_placement import ServerPlacement
 from kvstrata.core.engine.settings import PLACEMENT_AUTO, RuntimeSettings
-from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES
 from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE, PLACEMENT_SERVER, PagedKVLayout
 from kvstrata.core.transfer.planner import SliceObserver
 from kvstrata.core.wire.client import CacheClient
@@ -77,14 +76,12 @@ def make_placement(name: str, client: CacheClient, instance_id: int, layout: Pag
                    layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
                    retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                    pool_writable: bool = False,
-                   handover_slices: int = HANDOVER_SLICES,
-                   enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES,
                    slice_observer: SliceObserver | None = None) -> Placement:
     """The placement called ``name`` for one registered cache (not registered yet: call its ``register``).
 
     Each option goes to the placement it concerns and the other ignores it: ``pool_slots`` (arrival slots) to
     server placement; ``local_regions``, ``own_registration_area``, ``setup_timeout``,
-    ``pool_writable``, ``handover_slices``, ``enqueue_ahead_bytes`` and ``slice_observer`` to engine
+    ``pool_writable`` and ``slice_observer`` to engine
     placement (see :class:`ServerPlacement` and :class:`EnginePlacement`)."""
     cls = PLACEMENTS.get(name)
     if cls is None:
@@ -96,6 +93,4 @@ def make_placement(name: str, client: CacheClient, instance_id: int, layout: Pag
         return ServerPlacement(client, instance_id, layout, pool_slots=pool_slots, **common)
     return EnginePlacement(client, instance_id, layout, local_regions=local_regions,
                            own_registration_area=own_registration_area, setup_timeout=setup_timeout,
-                           pool_writable=pool_writable,
-                           handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes,
-                           slice_observer=slice_observer, **common)
+                           pool_writable=pool_writable, slice_observer=slice_observer, **common)

@@ -31,7 +31,7 @@ from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord, 
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.engine.transfer_queue import ENQUEUE_AHEAD_BYTES, HANDOVER_SLICES, QueuedLoad, TransferQueue
+from kvstrata.core.engine.transfer_queue import QueuedLoad, TransferQueue
 from kvstrata.core.shm import Segment
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import split_generation_table
@@ -55,20 +55,14 @@ class EnginePlacement(Placement):
                  registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
                  setup_timeout: float | None = None,
                  pool_writable: bool = False,
-                 handover_slices: int = HANDOVER_SLICES,
-                 enqueue_ahead_bytes: int | None = ENQUEUE_AHEAD_BYTES,
                  slice_observer: SliceObserver | None = None) -> None:
         """``local_regions``: the engine cache this process writes (and reads, to store).
         ``registration_layout``: what the server is told instead of the cache; with ``own_registration_area``
         this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
         size, asked with ``setup_timeout``) and removes it at :meth:`close`. ``pool_writable``: map the server's
         pool writable too, so this process STOREs by copying into objects the server reserved
-        (:meth:`store`); otherwise it is mapped read-only. ``handover_slices``, how many of a released load's
-        slices the engine waits on before the transfer queue enqueues more
-        (:data:`~kvstrata.core.engine.transfer_queue.HANDOVER_SLICES`); ``enqueue_ahead_bytes``, how far it
-        enqueues ahead of the copies that landed (:data:`~kvstrata.core.engine.transfer_queue.ENQUEUE_AHEAD_BYTES`;
-        None: every slice at once, the A/B arm). ``slice_observer``: told of each load's slices as the queue
-        enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
+        (:meth:`store`); otherwise it is mapped read-only. ``slice_observer``: told of each load's slices as the
+        queue enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         if local_regions is None:
             raise ValueError("engine placement needs local_regions: the engine cache this process writes")
         if own_registration_area and registration_layout is not None:
@@ -93,9 +87,7 @@ class EnginePlacement(Placement):
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
-                                    handover_slices=handover_slices, enqueue_ahead_bytes=enqueue_ahead_bytes,
                                     slice_observer=slice_observer)
-        self._on_missing_layer = self._queue.hurry
 
     # --- registration ----------------------------------------------------------------
 

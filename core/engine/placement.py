@@ -178,8 +178,6 @@ class Placement(ABC):
         self._registration_lost = False
         self.records: dict[str, RetrieveRecord] = {}
         self._lock = threading.RLock()
-        self._on_missing_layer: Callable[[], None] | None = None
-        """Called by a layer wait whose layer is not enqueued yet (engine placement: hurry the queue)."""
 
     # --- public properties the design asks adapters to use ---------------------------
 
@@ -372,8 +370,7 @@ class Placement(ABC):
         for inf in waiting:
             try:
                 if inf.gate.wait_for_layer(layer, self.layer_wait_timeout, refresh=inf.refresh,
-                                           on_completion=self._event_backend.wait,
-                                           on_missing=self._on_missing_layer):
+                                           on_completion=self._event_backend.wait):
                     inf.record.layer_waits += 1
             except (LayerWaitTimeout, TransferFailed) as exc:
                 with self._lock:

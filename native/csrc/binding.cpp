@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvstrata_cuda.h"
+#include "load_issuer.h"
 
 namespace py = pybind11;
 
@@ -133,6 +134,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_device_pointer", &kvstrata::host_device_pointer, py::arg("ptr"), py::arg("device"));
   m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"));
   m.def("sm_count", &kvstrata::sm_count, py::arg("device"));
+  m.def(
+      "event_synchronize",
+      [](uintptr_t event) {
+        py::gil_scoped_release no_gil;
+        kvstrata::event_synchronize(event);
+      },
+      "cudaEventSynchronize on a raw handle, without the GIL", py::arg("event"));
+  py::class_<kvstrata::LoadIssuer>(m, "LoadIssuer",
+                                   "A native thread issuing recorded copy programs in submission order "
+                                   "(load_issuer.h)")
+      .def(py::init<int>(), py::arg("device"))
+      .def(
+          "submit",
+          [](kvstrata::LoadIssuer& self, uintptr_t words, int64_t n_words) {
+            self.submit(reinterpret_cast<const int64_t*>(words), n_words);
+          },
+          "Queue the program of n_words int64 words at address words (copied before this returns)",
+          py::arg("words"), py::arg("n_words"))
+      .def("issued_mark", &kvstrata::LoadIssuer::issued_mark)
+      .def("wait_mark", &kvstrata::LoadIssuer::wait_mark, py::call_guard<py::gil_scoped_release>(),
+           "Wait without the GIL until mark is issued or timeout_us passed; whether it was", py::arg("mark"),
+           py::arg("timeout_us"))
+      .def("mark_error", &kvstrata::LoadIssuer::mark_error, py::arg("mark"))
+      .def("close", &kvstrata::LoadIssuer::close, py::call_guard<py::gil_scoped_release>());
   m.def("spin_until_readable", &spin_until_readable,
         "Poll fd without sleeping and without the GIL until readable (True) or max_us passed (False); with "
         "warm_stream, query that CUDA stream every 50 us meanwhile",

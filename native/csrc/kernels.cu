@@ -238,6 +238,10 @@ bool event_query(uintptr_t event) {
   return true;
 }
 
+void event_synchronize(uintptr_t event) {
+  check(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
+}
+
 void memcpy_runs(const int64_t* runs, int64_t n_runs, int device, uintptr_t stream) {
   check(cudaSetDevice(device), "cudaSetDevice");
   auto s = reinterpret_cast<cudaStream_t>(stream);

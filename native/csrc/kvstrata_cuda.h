@@ -67,3 +67,10 @@ int sm_count(int device);
 void touch_stream(uintptr_t stream);
 
 }  // namespace kvstrata
+
+namespace kvstrata {
+
+// Blocks the calling thread (the binding releases the GIL) until the work before `event`'s last record has run.
+void event_synchronize(uintptr_t event);
+
+}  // namespace kvstrata

@@ -20,12 +20,7 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("engine-ctas33", ttft.ArmSettings("engine", ctas=33)),
     ("engine-priohigh", ttft.ArmSettings("engine", priority=-1)),
     ("engine-prio0", ttft.ArmSettings("engine", priority=0)),
-    ("engine-handover1", ttft.ArmSettings("engine", handover=1)),
-    ("engine-handover1-prio0", ttft.ArmSettings("engine", priority=0, handover=1)),
-    ("engine-ahead0", ttft.ArmSettings("engine", ahead=0)),
-    ("engine-ahead256-prio0", ttft.ArmSettings("engine", priority=0, ahead=256)),
-    ("engine-ahead64-handover2-bufs3-ctas66-priohigh-retrieve",
-     ttft.ArmSettings("engine", -1, 66, 3, 2, 64)),
+    ("engine-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("engine", -1, 66, 3)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -34,14 +29,7 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "server-norings", "engine-rr", "engine-bufs", "server-bufs4",
-                                  "server-retrieve", "engine-prio1", "server-handover1", "engine-bufs2-handover1",
-                                  "server-ahead0", "engine-bufs2-ahead0", "engine-handover1-ahead0"])
+                                  "server-retrieve", "engine-prio1", "engine-handover1", "engine-ahead0"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
-
-
-def test_an_arms_queue_bound_is_the_default_a_size_or_none() -> None:
-    assert ttft.arm_settings("engine").enqueue_ahead_bytes(384 << 20) == 384 << 20
-    assert ttft.arm_settings("engine-ahead64").enqueue_ahead_bytes(384 << 20) == 64 << 20
-    assert ttft.arm_settings("engine-ahead0").enqueue_ahead_bytes(384 << 20) is None
