@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.core.engine.slice_width import AUTO
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -601,6 +603,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         if all(r.last_slice_at is not None for r in recs):  # engine-placement: when the queue enqueued the last slice
             out["last_enqueued_ms"] = [(r.last_slice_at - t0) * 1e3 for r in recs]
         out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
+        out["widths"] = [r.layers_per_slice for r in recs]  # what an auto arm chose
     torch.cuda.synchronize()
     if timeline:
         if backend is not None:
@@ -641,7 +644,7 @@ def summarize(values: list[float]) -> dict[str, float]:
 def arm_name(placement: str | None, width: int | None) -> str:
     if width is None:
         return "resident"
-    return f"{placement}/" + ("chunk" if width == 0 else f"w{width}")
+    return f"{placement}/" + ("chunk" if width == 0 else "auto" if width == AUTO else f"w{width}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -652,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b", help="the model shape computed")
     p.add_argument("--new", default="256,1024,2048", help="new tokens per request, concurrency 1")
     p.add_argument("--formats", default=",".join(ENGINE_FORMATS))
-    p.add_argument("--widths", default="0,1,2,4,8", help="0 = chunk-major")
+    p.add_argument("--widths", default="0,1,2,4,8,auto", help="0 = chunk-major, auto = layers_per_slice: auto")
     p.add_argument("--placements", default="server,engine")
     p.add_argument("--concurrency", default="2,4,8")
     p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
@@ -702,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix % args.chunk or args.chunk % s.block:
         raise SystemExit("--prefix must be a multiple of --chunk, and --chunk of the block size 16")
     formats = [f for f in args.formats.split(",") if f]
-    widths = [int(w) for w in args.widths.split(",")]
+    widths = [AUTO if w == "auto" else int(w) for w in args.widths.split(",")]
     placements = [x for x in args.placements.split(",") if x]
     built = placements if "server" in placements else ["server", *placements]  # the prefixes are stored through it
     try:
@@ -767,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                         run_arm(rig, client, model, "server", 0, max_conc, 256)
                     first_use = placements[::-1] if args.first_use == "reversed" else placements
                     fres["verified"] = {f"{pl}/w{w}": verify(rig, client, model, pl, w, truth, 256)
-                                        for pl in first_use for w in sorted({0, 1, max(widths)})}
+                                        for pl in first_use for w in sorted({0, 1, max(widths), *({AUTO} & set(widths))})}
                     arms = [(None, None)] + [(pl, w) for pl in placements for w in widths]
                     fres["concurrency_1"] = {}
                     for new in news:
@@ -783,7 +786,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "release_ms": summarize([r["release_ms"][0] for r in rs])}
                                       if "transfer_ms" in rs[0] else {}),
                                    **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
-                                      if "last_enqueued_ms" in rs[0] else {})}
+                                      if "last_enqueued_ms" in rs[0] else {}),
+                                   **({"widths": sorted({w for r in rs for w in r["widths"]})}
+                                      if name.endswith("/auto") else {})}
                             for name, rs in runs.items()}
                         if args.probe_copies:
                             fres.setdefault("probed", {})[str(new)] = probe_arms(rig, client, model, new,
@@ -829,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -> dict[str, Any]:
     """The first-token targets, per format and placement, from this run's own arms."""
     out: dict[str, Any] = {}
-    layer_widths = [w for w in widths if w > 0]
+    layer_widths = [w for w in widths if w > 0]  # the fixed widths (auto is judged against the best of them)
     for fmt, fres in result["formats"].items():
         for pl in placements:
             rows = {}
@@ -846,6 +851,12 @@ def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -
                              "best_width": best_w, "best_ttft_ms": best, "gain": round(gain, 4),
                              "ceiling": round(ceiling, 4), "fraction_of_ceiling": round(gain / ceiling, 3),
                              "met_85pct": gain >= 0.85 * ceiling}
+                if f"{pl}/auto" in arms:
+                    auto = arms[f"{pl}/auto"]
+                    rows[new].update(auto_ttft_ms=auto["ttft_ms"]["median"], auto_widths=auto.get("widths"),
+                                     auto_vs_best_fixed=round(auto["ttft_ms"]["median"] / min(best, base) - 1, 4),
+                                     auto_fraction_of_ceiling=round((1 - auto["ttft_ms"]["median"] / base) / ceiling,
+                                                                    3))
             conc_rows = {}
             for conc, arms in fres.get("concurrency", {}).items():
                 chunk = arms[f"{pl}/chunk"]["ttft_ms"]
@@ -855,6 +866,11 @@ def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -
                                    "best_width": best_w, "mean_ms": best["mean"], "p90_ms": best["p90"],
                                    "mean_change": round(best["mean"] / chunk["mean"] - 1, 4),
                                    "never_worse": best["mean"] <= chunk["mean"] and best["p90"] <= chunk["p90"]}
+                if f"{pl}/auto" in arms:
+                    auto = arms[f"{pl}/auto"]["ttft_ms"]
+                    conc_rows[conc].update(auto_mean_ms=auto["mean"], auto_p90_ms=auto["p90"],
+                                           auto_mean_change=round(auto["mean"] / chunk["mean"] - 1, 4),
+                                           auto_never_worse=auto["mean"] <= chunk["mean"] and auto["p90"] <= chunk["p90"])
             out[f"{fmt}/{pl}"] = {"concurrency_1": rows, "concurrency": conc_rows}
     return out
 

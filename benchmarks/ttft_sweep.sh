@@ -18,7 +18,7 @@ for shape in ${shapes//,/ }; do
       t=$(date +%s)
       timeout "${CELL_TIMEOUT_S:-300}" python3 benchmarks/ttft.py --shape "$shape" --prefix "$prefix" \
         --engine-loop "$loop" --placements engine --formats "${FORMATS:-vllm-LBNHC,sglang,trtllm}" \
-        --widths "${WIDTHS:-0,1,2,4,8}" --new "${NEW:-128,1024,4096}" --concurrency "${CONCURRENCY:-2,4,8,16}" \
+        --widths "${WIDTHS:-0,1,2,4,8,auto}" --new "${NEW:-128,1024,4096}" --concurrency "${CONCURRENCY:-2,4,8,16}" \
         --concurrency-new 256 --reps "${REPS:-3}" --concurrency-reps "${CONCURRENCY_REPS:-2}" \
         --pool-gib "${POOL_GIB:-16}" --out "$out/$name.json" > "$out/$name.txt" 2>&1 || rc=1
       echo "$name: $(( $(date +%s) - t )) s, exit ${PIPESTATUS[0]}"

@@ -51,6 +51,7 @@ import torch
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
+from kvstrata.core.engine import slice_width
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
 
 from . import settings as trtllm_settings
@@ -122,9 +123,9 @@ class KvstrataScheduler(_SchedulerBase):
         self._blocks: dict[Any, list[int]] = {}
         self._touched: set[str] = set()
         """kvstrata ids of requests with a load or store planned: their blocks wait for the workers."""
-        log.info("kvstrata TensorRT-LLM scheduler for %s (%d rank(s)): server %s, %s matching, layers_per_slice=%d",
+        log.info("kvstrata TensorRT-LLM scheduler for %s (%d rank(s)): server %s, %s matching, layers_per_slice=%s",
                  model, world, self.settings.server_address, "asynchronous" if self.options.async_load
-                 else "synchronous", self.settings.layers_per_slice)
+                 else "synchronous", slice_width.describe(self.settings.layers_per_slice))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """First context chunk: tokens kvstrata loads beyond the ``num_computed_tokens`` TensorRT-LLM reused.

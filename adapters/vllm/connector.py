@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvstrata.core.adapter_api.plugins import load_adapter
 from kvstrata.core.engine.requests import LoadSpec, StoreSpec
 from kvstrata.core.engine.scheduler_runtime import ScheduledRequest, SchedulerRuntime
+from kvstrata.core.engine import slice_width
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.stats import RuntimeStats
 from kvstrata.core.engine.worker_runtime import WorkerRuntime
@@ -146,10 +147,10 @@ class KvstrataConnector(KVConnectorBase_V1):
             self.worker_runtime = WorkerRuntime(adapter, self.settings, model=model, rank=rank, world_size=world)
         self._kv_cache_manager: Any = None
         self._layer_of: dict[str, int] = {}
-        log.info("kvstrata connector (%s%s) for %s: server %s, instance %d%s, layers_per_slice=%d%s", role.name,
+        log.info("kvstrata connector (%s%s) for %s: server %s, instance %d%s, layers_per_slice=%s%s", role.name,
                  f", rank {rank} of {world}" if world > 1 else "", model, self.settings.server_address,
                  self.settings.instance_id, "" if world == 1 else " + rank",
-                 self.settings.layers_per_slice,
+                 slice_width.describe(self.settings.layers_per_slice),
                  "" if self.settings.layers_per_slice else " (chunk-major, no early release)")
 
     # --- class-level, called at config time before any worker exists ------------------
@@ -161,7 +162,7 @@ class KvstrataConnector(KVConnectorBase_V1):
         Read from the same setting that sets the slice width, so the graph mode
         and the width cannot disagree.
         """
-        return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_slice > 0
+        return RuntimeSettings.from_mapping(extra_config, where=SETTINGS_WHERE).layers_per_slice != 0  # N or auto
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats:

@@ -42,6 +42,7 @@ from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, Trans
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.settings import RuntimeSettings
+from kvstrata.core.engine.slice_width import AUTO, SliceWidthModel
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.transfer import planner
 from kvstrata.core.transfer.block_table import BlockTable
@@ -59,6 +60,7 @@ class RetrieveRecord:
     request_id: str
     num_tokens: int
     layers_per_slice: int
+    """The width the load ran with (chosen by the slice-width model when ``auto_width``)."""
     submitted_at: float
     released_at: float | None = None
     completed_at: float | None = None
@@ -70,6 +72,8 @@ class RetrieveRecord:
     layer_waits: int = 0
     failure: str | None = None
     fallback: str | None = None
+    auto_width: bool = False
+    """``layers_per_slice: auto`` asked for this load's width."""
     located_by: str | None = None
     """Engine placement: ``lookup`` (the LOOKUP's reply said where the chunks are) or ``retrieve``."""
     replied_at: float | None = None
@@ -172,6 +176,9 @@ class Placement(ABC):
         cache (several KV groups) at construction, or from the server's REGISTER reply (server placement: its
         target cannot copy by layer)."""
         self.chunk_size: int | None = None
+        self.slice_width = SliceWidthModel(layout.num_layers, layout.kv_size * layout.token_bytes_per_layer,
+                                           self._event_backend.device)
+        """Chooses the width of loads asked for with ``layers_per_slice: auto``."""
         self._inflight: dict[str, InFlight] = {}
         self._failed: dict[str, tuple[list[list[int]], str]] = {}
         self._drained: set[str] = set()
@@ -224,19 +231,33 @@ class Placement(ABC):
         RETRIEVE round trip (server placement ignores it: the server copies).
         """
         blocks = BlockTable(block_ids)
-        record = RetrieveRecord(request_id, key.num_tokens - skip_first_n_tokens, layers_per_slice, time.perf_counter())
+        tokens = key.num_tokens - skip_first_n_tokens
+        width = self.slice_width.choose(tokens) if layers_per_slice == AUTO else layers_per_slice
+        record = RetrieveRecord(request_id, tokens, width, time.perf_counter(), auto_width=layers_per_slice == AUTO)
         gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
-        width = layers_per_slice
         if width > 0 and self.layer_major_fallback is not None:
             record.fallback, width = self.layer_major_fallback, 0
+        with self._lock:
+            alone = not any(not i.future.done() for i in self._inflight.values())
         inflight = self._start(request_id, key, blocks, skip_first_n_tokens, width, gate, record, located)
-        inflight.future.add_done_callback(lambda _, r=record: setattr(r, "transfer_ended_at", time.perf_counter()))
+        inflight.future.add_done_callback(lambda f, r=record, a=alone: self._transfer_ended(f, r, a))
         if running:
             gate.mark_released()
             record.released_at, record.released_before_complete = record.submitted_at, True
         with self._lock:
             self._inflight[request_id] = inflight
             self.records[request_id] = record
+
+    def _transfer_ended(self, future: Future, record: RetrieveRecord, alone: bool) -> None:
+        """Note when a transfer ended; one that had the copies to itself from submit to end and succeeded tells
+        the slice-width model its copy rate."""
+        record.transfer_ended_at = time.perf_counter()
+        if alone and future.exception() is None:
+            # no lock: this runs on the thread that settles transfers, which the engine's thread may be waiting on
+            others = list(self._inflight.values())
+            if not any(not i.future.done() and i.record is not record for i in others):
+                self.slice_width.observe(record.num_tokens * self.slice_width.layer_bytes_per_token
+                                         * self.layout.num_layers, record.transfer_ended_at - record.submitted_at)
 
     @abstractmethod
     def _start(self, request_id: str, key: CacheKey, blocks: BlockTable, skip: int, width: int,

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
+from kvstrata.core.engine.slice_width import AUTO
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE
 
 log = logging.getLogger(__name__)
@@ -15,7 +16,8 @@ MAX_LAYERS_PER_SLICE = 1 << 16
 
 
 def resolve_layers_per_slice(value: Any, *, setting: str = "layers_per_slice") -> int:
-    """The slice width a deployer asked for: 0 = off (chunk-major), N > 0 = N layers per slice.
+    """The slice width a deployer asked for: 0 = off (chunk-major), N > 0 = N layers per slice, ``auto``
+    (:data:`~kvstrata.core.engine.slice_width.AUTO`) = chosen per load (:mod:`kvstrata.core.engine.slice_width`).
 
     Accepts what a deployer plausibly writes in JSON or a CLI: an int, a bool
     (true = one layer per slice) or a decimal string ("8", " 2 ", "true",
@@ -37,8 +39,11 @@ def resolve_layers_per_slice(value: Any, *, setting: str = "layers_per_slice") -
             return 1
         if text in ("false", "no", "off", ""):
             return 0
+        if text == "auto":
+            return AUTO
         if not text.isdigit():
-            log.warning("%s=%r is not an int, bool or decimal string; layer-major overlap stays off", setting, value)
+            log.warning("%s=%r is not an int, bool, \"auto\" or decimal string; layer-major overlap stays off", setting,
+                        value)
             return 0
         width = int(text)
     else:
@@ -85,7 +90,8 @@ class RuntimeSettings:
     server_address: str
     layers_per_slice: int = 0
     """The slice width: 0 = chunk-major (a request goes back when its transfer completes), N > 0 = N
-    layers per slice (a request goes back when its first slice has landed). Off unless set, so
+    layers per slice (a request goes back when its first slice has landed), ``auto`` (:data:`AUTO`) = chosen
+    per load from what this process measured (:mod:`kvstrata.core.engine.slice_width`). Off unless set, so
     turning kvstrata on never changes an engine's CUDA graph mode by itself."""
     placement: str = PLACEMENT_AUTO
     """Who runs the copies: ``server`` (the server writes the engine's cache: shared memory or CUDA

@@ -14,6 +14,7 @@ import torch
 
 from kvstrata.core.engine.engine_placement import EnginePlacement
 from kvstrata.core.engine.requests import ChunkLocations
+from kvstrata.core.engine.slice_width import AUTO
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.wire.client import CacheClient
@@ -30,7 +31,7 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
 
     nb = -(-TOKENS // 16)
     cache = GpuKVCache(fmt, num_layers=32, num_heads=4, head_size=64, dtype=dtype,
-                       num_blocks=(len(WIDTHS) + 2) * nb + 2, block_size=16)
+                       num_blocks=(len(WIDTHS) + 3) * nb + 2, block_size=16)
     client = CacheClient(gpu_server.address, timeout=60.0)
     area = RegistrationArea(cache.layout, chunk_size=int(client.server_info()["chunk_size"]))
     iid = next_instance_id()
@@ -50,7 +51,7 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
         cache.poison(src)  # the source is gone; only the L1 copy can fill the destinations
 
         per_width = {}
-        for i, width in enumerate([0] + WIDTHS):
+        for i, width in enumerate([0] + WIDTHS + [AUTO]):
             rid = f"ee-{fmt}-{dtype}-w{width}"
             key = CacheKey.for_tokens(rid, prompt, model=fmt)
             reply = client.transport.wait(client.lookup_async(key))
@@ -65,10 +66,11 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
                                          cache.num_layers)
             rec = worker.records[rid]
             assert rec.failure is None and rec.fallback is None and rec.located_by == "lookup", rec
+            assert rec.auto_width == (width == AUTO) and rec.layers_per_slice >= 0
             for layer, got in enumerate(reads):
                 assert got.equal(truth[:, layer:layer + 1]), f"{fmt}/{dtype} width {width}: layer {layer} differs"
             per_width[width] = reads
-        for width in WIDTHS:
+        for width in WIDTHS + [AUTO]:
             for layer in range(cache.num_layers):
                 assert per_width[width][layer].equal(per_width[0][layer]), (width, layer)
         assert client.server_info()["l1"]["locked_objects"] == 0, "every load's locks were freed"

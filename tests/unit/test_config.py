@@ -7,7 +7,7 @@ from kvstrata.core.engine.settings import resolve_layers_per_slice
 
 @pytest.mark.parametrize("value, width", [
     (0, 0), (1, 1), (8, 8), (True, 1), (False, 0), (None, 0),
-    ("8", 8), (" 2 ", 2), ("0", 0), ("true", 1), ("False", 0), ("", 0),
+    ("8", 8), (" 2 ", 2), ("0", 0), ("true", 1), ("False", 0), ("", 0), ("auto", -1), (" Auto ", -1),
 ])
 def test_accepts_what_a_deployer_writes(value, width):
     assert resolve_layers_per_slice(value) == width

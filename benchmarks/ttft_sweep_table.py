@@ -1,0 +1,102 @@
+"""The tables of a ``benchmarks/ttft_sweep.sh`` run: every cell's share of the overlap ceiling, concurrency against
+chunk-major, and what a spinning engine thread does to a load's completion.
+
+    python benchmarks/ttft_sweep_table.py DIR [--out DIR/table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from typing import Any
+
+
+def load(directory: str) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(directory, "ttft-*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
+    out = ["| shape | prefix | loop | format | new | chunk-major ms | best fixed | ms | % of ceiling | auto (widths) ms "
+           "| auto % of ceiling | auto vs best |", "|" + " --- |" * 12]
+    for r in runs:
+        c = r["config"]
+        for cell, t in sorted(r.get("targets", {}).items()):
+            fmt = cell.split("/")[0]
+            for new, row in sorted(t["concurrency_1"].items(), key=lambda kv: int(kv[0])):
+                auto = "" if "auto_ttft_ms" not in row else f"{row['auto_ttft_ms']:.1f} ({row.get('auto_widths')})"
+                auto_share = row.get("auto_fraction_of_ceiling")
+                auto_share_text = "" if auto_share is None else f"{100 * auto_share:.0f}%"
+                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {new} | "
+                           f"{row['chunk_major_ttft_ms']:.1f} | w{row['best_width']} | {row['best_ttft_ms']:.1f} | "
+                           f"{100 * row['fraction_of_ceiling']:.0f}% | {auto} | {auto_share_text} | "
+                           f"{pct(row.get('auto_vs_best_fixed'))} |")
+    return out
+
+
+def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
+    out = ["| shape | prefix | loop | format | requests | chunk-major mean / p90 ms | best fixed: mean change "
+           "| never worse | auto: mean change | auto never worse |", "|" + " --- |" * 10]
+    for r in runs:
+        c = r["config"]
+        for cell, t in sorted(r.get("targets", {}).items()):
+            fmt = cell.split("/")[0]
+            for conc, row in sorted(t["concurrency"].items(), key=lambda kv: int(kv[0])):
+                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
+                           f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
+                           f"{pct(row['mean_change'])} (w{row['best_width']}) | {row['never_worse']} | "
+                           f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} |")
+    return out
+
+
+def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """Median transfer time of each engine arm with the engine's thread spinning against sleeping."""
+    by_cell: dict[tuple, dict[str, Any]] = {}
+    for r in runs:
+        c = r["config"]
+        by_cell.setdefault((c["shape"], c["prefix_tokens"]), {})[c["engine_loop"]] = r
+    out = ["| shape | prefix | format | new | arm | transfer ms, sleep | spin | change |", "|" + " --- |" * 8]
+    for (shape, prefix), loops in sorted(by_cell.items()):
+        if not {"sleep", "spin"} <= set(loops):
+            continue
+        for fmt, fres in sorted(loops["sleep"]["formats"].items()):
+            spun = loops["spin"]["formats"].get(fmt, {})
+            for new, arms in sorted(fres.get("concurrency_1", {}).items(), key=lambda kv: int(kv[0])):
+                for arm, stats in sorted(arms.items()):
+                    other = spun.get("concurrency_1", {}).get(new, {}).get(arm)
+                    if "transfer_ms" not in stats or not other:
+                        continue
+                    a, b = stats["transfer_ms"]["median"], other["transfer_ms"]["median"]
+                    out.append(f"| {shape} | {prefix} | {fmt} | {new} | {arm} | {a:.2f} | {b:.2f} | {pct(b / a - 1)} |")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("directory")
+    p.add_argument("--out")
+    args = p.parse_args()
+    runs = load(args.directory)
+    text = "\n".join(["## One request: % of the overlap ceiling", "", *ceiling_rows(runs), "",
+                      "## Requests arriving together (256 new tokens each): mean first-token time against chunk-major",
+                      "", *concurrency_rows(runs), "",
+                      "## A spinning engine thread: load completion (engine placement, one request)", "",
+                      *spin_rows(runs), ""])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
