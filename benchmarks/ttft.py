@@ -493,9 +493,11 @@ engine_idle = sleep_between_polls
 
 
 def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
-            timeline: bool = False, probe: CopyProbe | None = None) -> dict[str, Any]:
+            timeline: bool = False, probe: CopyProbe | None = None, clock_from_lookup: bool = False) -> dict[str, Any]:
     """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer). With
-    ``probe`` (the arm's :class:`CopyProbe`), the timeline also has each copy and scatter bracket."""
+    ``probe`` (the arm's :class:`CopyProbe`), the timeline also has each copy and scatter bracket.
+    ``clock_from_lookup``: first-token time counts from before the LOOKUPs (a shared-tier hit's fetch starts
+    there), not from the hand-over to kvstrata."""
     from kvstrata.core.engine.requests import ChunkLocations
     from kvstrata.core.store.keys import CacheKey
 
@@ -509,6 +511,8 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}{owner}" for r in reqs]
     keys = [CacheKey.for_tokens(rid, r.prompt, model="llama") for rid, r in zip(rids, reqs)]
     located: list[Any] = [None] * conc
+    torch.cuda.synchronize()
+    t_lookup = time.perf_counter()
     if width is not None:
         for i, key in enumerate(keys):  # the scheduler's LOOKUP, answered before the step (locks the chunks)
             reply = client.transport.wait(client.lookup_async(key))
@@ -527,7 +531,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         backend.probe = marks["arrived"]
     if probe is not None:
         probe.marks = {}
-    t0 = time.perf_counter()
+    t0 = t_lookup if clock_from_lookup else time.perf_counter()
     t0_ev.record(stream)
     if backend is not None:
         backend.side.wait_event(t0_ev)
