@@ -85,6 +85,10 @@ def _tell_observers(request_id: str, slices: int) -> None:
         observer(request_id, slices)
 
 
+_tell_observers.active = lambda: bool(_observers)  # type: ignore[attr-defined]
+"""With no observer added, a queue may plan loads on the engine's thread as it does without one."""
+
+
 def inject_slice_observers() -> None:
     """Make every :class:`TransferQueue` and :class:`CacheServer` built from now on in this process take
     :func:`_tell_observers` as its ``slice_observer`` where its builder passed none: the test's way into the

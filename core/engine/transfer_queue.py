@@ -12,8 +12,12 @@ made every load's last layer land late: see docs/decisions.md.)
 
 Two threads, so that enqueuing never waits for a copy to finish:
 
-* ``kvstrata-transfer-enqueue`` waits for each load's RETRIEVE reply (sent from the
-  engine's thread at submit), plans it, and plans its slices one after another
+* A load whose LOOKUP said where its chunks are is planned at submit, on the engine's
+  thread, when nothing submitted before it is still unplanned (handing it to another
+  thread would make its copies wait until the interpreter lets that thread run: up to
+  a switch interval, 5 ms, each time, while the engine's thread stays in Python).
+  Otherwise ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply
+  (sent from the engine's thread at submit), plans it, and plans its slices one after another
   without waiting in between: each inside the copier's ``slice_program``, which on
   a GPU hands the slice's driver calls to the copier's native thread in one call
   (``kvstrata.native.load_issuer``), so no Python thread has to run again for the
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from concurrent.futures import Future
@@ -120,7 +125,11 @@ class TransferQueue:
         self._chunk_size = chunk_size
         self.retrieve_timeout = retrieve_timeout
         self._landed = landed
-        self._pending: "queue.Queue[QueuedLoad | None]" = queue.Queue()
+        self._pending: deque[QueuedLoad | None] = deque()
+        """Loads submitted and not planned yet, in submission order (None: closing)."""
+        self._pending_cond = threading.Condition()
+        self._planning = threading.Lock()
+        """Held while a load is planned, by whichever thread plans it: loads are planned one at a time, in order."""
         self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
         self._enqueue_thread = threading.Thread(target=self._enqueue_loop, name="kvstrata-transfer-enqueue",
                                                 daemon=True)
@@ -130,12 +139,22 @@ class TransferQueue:
         self._settle_thread.start()
 
     def submit(self, load: QueuedLoad) -> Future:
-        self._pending.put(load)
+        """Queue ``load``; called from the engine's thread. When the load already knows where its chunks are (its
+        LOOKUP said so) and nothing submitted before it is still unplanned, it is planned right here: the engine's
+        thread holds the GIL anyway, and handing the load to the enqueue thread would make its copies wait until
+        the interpreter lets that thread run (up to a switch interval, 5 ms, each time an engine thread that stays
+        in Python holds the GIL)."""
+        with self._pending_cond:
+            self._pending.append(load)
+            self._pending_cond.notify()
+        self._plan_ready(block=False)
         return load.future
 
     def close(self) -> None:
         """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
-        self._pending.put(None)
+        with self._pending_cond:
+            self._pending.append(None)
+            self._pending_cond.notify()
         self._enqueue_thread.join()
         self._settle_thread.join()
 
@@ -143,17 +162,57 @@ class TransferQueue:
 
     def _enqueue_loop(self) -> None:
         while True:
-            load = self._pending.get()
-            if load is None:
+            with self._pending_cond:
+                self._pending_cond.wait_for(lambda: bool(self._pending))
+            if not self._plan_ready(block=True):
                 self._enqueued.put(None)
                 return
-            try:
+
+    def _plan_ready(self, block: bool) -> bool:
+        """Plan the loads at the head of the queue, in order. ``block`` (the enqueue thread): wait for the planning
+        lock and for the head's RETRIEVE reply; otherwise (the engine's thread, at submit) plan only while the
+        lock is free and the head's locations are in hand. Returns False once the queue was closed."""
+        if not self._planning.acquire(blocking=block):
+            return True
+        try:
+            while True:
+                with self._pending_cond:
+                    if not self._pending:
+                        return True
+                    load = self._pending[0]
+                    if load is None:
+                        return not block  # the enqueue thread takes the end-of-queue mark
+                    if not block and (not load.reply.done() or self._observer_active()):
+                        return True  # the enqueue thread waits for the reply; an observer may block
+                    self._pending.popleft()
+                if not self._plan(load, inline=not block):
+                    with self._pending_cond:  # its slices must wait for the shared tier: not on the engine's thread
+                        self._pending.appendleft(load)
+                        self._pending_cond.notify()
+                    return True
+        finally:
+            self._planning.release()
+
+    def _observer_active(self) -> bool:
+        """Whether the slice observer may be told anything (see :data:`~kvstrata.core.transfer.planner.SliceObserver`):
+        then loads are planned on the enqueue thread only, since an observer may block."""
+        observer = self._slice_observer
+        return observer is not None and bool(getattr(observer, "active", lambda: True)())
+
+    def _plan(self, load: QueuedLoad, inline: bool) -> bool:
+        """Locate and plan ``load`` and hand it to the settle thread; False (nothing planned) when ``inline`` and
+        its chunks are still filling from the shared tier."""
+        try:
+            if load.job is None:
                 self._locate(load)
-            except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
-                self._stop(load, exc)
-            else:
-                self._enqueue_slices(load)
-            self._enqueued.put(load)
+        except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
+            self._stop(load, exc)
+        else:
+            if inline and load.filling:
+                return False
+            self._enqueue_slices(load)
+        self._enqueued.put(load)
+        return True
 
     def _locate(self, load: QueuedLoad) -> None:
         reply = self.client.transport.wait(load.reply, timeout=self.retrieve_timeout)

@@ -30,7 +30,9 @@ OnLayerBatch = Callable[[int, int], None]
 
 SliceObserver = Callable[[str, int], None]
 """Called with (the transfer's name, slices published so far) before a transfer's first slice and after each
-one, on the thread that enqueues the slices. Whoever runs the transfer (the engine placement's queue, the
+one, on the thread that enqueues the slices. It may block: an engine-placement queue with an observer plans its
+loads on its own thread, never on the engine's, unless the observer has an ``active()`` that says False (nothing
+to tell now). Whoever runs the transfer (the engine placement's queue, the
 server) takes one at construction; none by default. An observer that raises fails the transfer, like a failed
 copy: the engine is told and recomputes. The test suites inject one to hold a transfer at a chosen slice, so an
 in-flight state is observed by construction instead of by racing the copy."""

@@ -29,6 +29,7 @@ def _event():
 
 
 def _copy_row(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """One {dst, src, bytes} row. Keep the tensor alive while it is recorded: the call reads it by address."""
     return torch.tensor([[dst.data_ptr(), src.data_ptr(), src.numel()]], dtype=torch.int64)
 
 
@@ -66,8 +67,9 @@ def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer):
 
     def plan(i: int) -> None:
         ev = _event()
+        rows = _copy_row(dst, sources[i])
         with issuer.program():
-            issuer.memcpy_runs(_copy_row(dst, sources[i]).data_ptr(), 1, 0, stream.cuda_stream)
+            issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
             issuer.event_record(ev.cuda_event, stream.cuda_stream)
             done = IssuedSlice(issuer, issuer.mark(), ev)
             with lock:  # submitted when the block ends, still under the issuer's lock: this is the order
@@ -101,8 +103,9 @@ def test_a_program_that_fails_on_the_native_thread_fails_its_slices_and_the_next
     assert not bad.query()
     src = torch.ones(4096, dtype=torch.uint8).pin_memory()
     dst = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    rows = _copy_row(dst, src)
     with issuer.program():
-        issuer.memcpy_runs(_copy_row(dst, src).data_ptr(), 1, 0, stream.cuda_stream)
+        issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
         issuer.event_record(good_ev.cuda_event, stream.cuda_stream)
         good = IssuedSlice(issuer, issuer.mark(), good_ev)
     good.synchronize()
@@ -113,6 +116,7 @@ def test_a_call_outside_a_program_is_issued_before_it_returns(issuer):
     stream = torch.cuda.Stream()
     src = torch.full((1 << 16,), 7, dtype=torch.uint8).pin_memory()
     dst = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
-    issuer.memcpy_runs(_copy_row(dst, src).data_ptr(), 1, 0, stream.cuda_stream)
+    rows = _copy_row(dst, src)
+    issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
     stream.synchronize()  # covers the copy only if it was on the stream when the call returned
     assert torch.equal(dst.cpu(), src)

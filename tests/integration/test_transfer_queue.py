@@ -144,3 +144,33 @@ def test_the_queue_plans_every_slice_without_waiting_for_any_to_land(client, tmp
         backend.land_everything()
         worker.close()
         engine.close()
+
+
+def test_a_load_located_by_its_lookup_is_planned_on_the_engines_thread_at_submit(client):
+    """With nothing queued before it and its locations in hand, the load is planned by the thread that submits it
+    (on the CPU its copies have run when submit returns); a load that must ask RETRIEVE goes to the enqueue thread."""
+    from kvstrata.core.engine.requests import ChunkLocations
+    from kvstrata.core.store.keys import CacheKey
+
+    tokens = 64
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
+    worker = EnginePlacement(client, 14, engine.layout, local_regions=engine.regions)
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=23)
+        store_prompt(client, engine, prompt, instance_id=14)
+        key = CacheKey.for_tokens("inline", prompt, model="m")
+        reply = client.transport.wait(client.lookup_async(key))
+        assert reply["hit_tokens"] == tokens
+        dst = engine.allocate(tokens)
+        engine.clear(dst)
+        worker.submit_retrieve("inline", key, [dst], layers_per_slice=8,
+                               located=ChunkLocations.from_lookup_reply(reply))
+        record = worker.records["inline"]
+        assert record.located_by == "lookup" and record.last_slice_at is not None  # planned before submit returned
+        assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
+        worker.wait_all()
+        assert record.failure is None
+    finally:
+        worker.close()
+        engine.close()
