@@ -44,6 +44,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -730,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
+        "commit": os.environ.get("KVSTRATA_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or None,
         "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
