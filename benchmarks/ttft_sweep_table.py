@@ -10,7 +10,7 @@ import argparse
 import glob
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 
 def load(directory: str) -> list[dict[str, Any]]:
@@ -25,36 +25,37 @@ def pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
 
+def cells(runs: list[dict[str, Any]], section: str) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any]]]:
+    """(run config, format, row key, row) of every format's ``section`` of the targets (``concurrency_1``: rows by
+    new tokens; ``concurrency``: by requests), in order."""
+    for r in runs:
+        for cell, t in sorted(r.get("targets", {}).items()):
+            for key, row in sorted(t[section].items(), key=lambda kv: int(kv[0])):
+                yield r["config"], cell.split("/")[0], key, row
+
+
 def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| shape | prefix | loop | format | new | chunk-major ms | best fixed | ms | % of ceiling | auto (widths) ms "
            "| auto % of ceiling | auto vs best |", "|" + " --- |" * 12]
-    for r in runs:
-        c = r["config"]
-        for cell, t in sorted(r.get("targets", {}).items()):
-            fmt = cell.split("/")[0]
-            for new, row in sorted(t["concurrency_1"].items(), key=lambda kv: int(kv[0])):
-                auto = "" if "auto_ttft_ms" not in row else f"{row['auto_ttft_ms']:.1f} ({row.get('auto_widths')})"
-                auto_share = row.get("auto_fraction_of_ceiling")
-                auto_share_text = "" if auto_share is None else f"{100 * auto_share:.0f}%"
-                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {new} | "
-                           f"{row['chunk_major_ttft_ms']:.1f} | w{row['best_width']} | {row['best_ttft_ms']:.1f} | "
-                           f"{100 * row['fraction_of_ceiling']:.0f}% | {auto} | {auto_share_text} | "
-                           f"{pct(row.get('auto_vs_best_fixed'))} |")
+    for c, fmt, new, row in cells(runs, "concurrency_1"):
+        auto = "" if "auto_ttft_ms" not in row else f"{row['auto_ttft_ms']:.1f} ({row.get('auto_widths')})"
+        auto_share = row.get("auto_fraction_of_ceiling")
+        auto_share_text = "" if auto_share is None else f"{100 * auto_share:.0f}%"
+        out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {new} | "
+                   f"{row['chunk_major_ttft_ms']:.1f} | w{row['best_width']} | {row['best_ttft_ms']:.1f} | "
+                   f"{100 * row['fraction_of_ceiling']:.0f}% | {auto} | {auto_share_text} | "
+                   f"{pct(row.get('auto_vs_best_fixed'))} |")
     return out
 
 
 def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| shape | prefix | loop | format | requests | chunk-major mean / p90 ms | best fixed: mean change "
            "| never worse | auto: mean change | auto never worse |", "|" + " --- |" * 10]
-    for r in runs:
-        c = r["config"]
-        for cell, t in sorted(r.get("targets", {}).items()):
-            fmt = cell.split("/")[0]
-            for conc, row in sorted(t["concurrency"].items(), key=lambda kv: int(kv[0])):
-                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
-                           f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
-                           f"{pct(row['mean_change'])} (w{row['best_width']}) | {row['never_worse']} | "
-                           f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} |")
+    for c, fmt, conc, row in cells(runs, "concurrency"):
+        out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
+                   f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
+                   f"{pct(row['mean_change'])} (w{row['best_width']}) | {row['never_worse']} | "
+                   f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} |")
     return out
 
 
