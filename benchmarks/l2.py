@@ -277,11 +277,9 @@ def main() -> int:
             print(f"store {store['bytes'] >> 20} MiB: with --l2 {statistics.median(store['with_l2_s']):.3f} s, "
                   f"without {statistics.median(store['without_s']):.3f} s ({store['store_with_l2_vs_without']}x; target "
                   "1.05x)")
-    import subprocess
+    from provenance import measured_commit
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    result = {"benchmark": "l2", "commit": os.environ.get("KVSTRATA_COMMIT", commit),
+    result = {"benchmark": "l2", "commit": measured_commit(),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "config": vars(args), "fetch": fetch, "store": store, "concurrent": concurrent}

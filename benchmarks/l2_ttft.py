@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +102,7 @@ def main() -> int:
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(ttft.SHAPES))
     p.add_argument("--out")
     args = p.parse_args()
+    from provenance import measured_commit
     from transfer import device_info
 
     from kvstrata.core.wire.client import CacheClient
@@ -120,8 +120,7 @@ def main() -> int:
     model = ttft.Decoder(s, torch.device("cuda"))
     result: dict[str, Any] = {
         "benchmark": "l2_ttft", "device": device_info(),
-        "commit": os.environ.get("KVSTRATA_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or None,
+        "commit": measured_commit(),
         "config": {**vars(args), "model": s.describe(), "prefix_bytes": request_bytes, "pool_bytes": pool}}
     with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"),
                        maxmemory=f"{(n * request_bytes * 3 // 2 >> 20) // 3 + 512}mb") as cluster:

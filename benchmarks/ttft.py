@@ -44,7 +44,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -699,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/ttft.py needs a CUDA device", file=sys.stderr)
         return 2
+    from provenance import measured_commit
     from transfer import device_info
 
     from kvstrata.core.store.keys import CacheKey
@@ -731,8 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
-        "commit": os.environ.get("KVSTRATA_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or None,
+        "commit": measured_commit(),
         "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
