@@ -941,10 +941,8 @@ class CudaLocalCopier:
         if self.issuer is None:
             yield
             return
-        with self.issuer.program():
+        with self.issuer.program_on_streams():
             yield
-            cell = self.issuer.mark()
-        self.issuer.wait_issued(cell[0])
 
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
         e = self.engine
