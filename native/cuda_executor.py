@@ -941,8 +941,10 @@ class CudaLocalCopier:
         if self.issuer is None:
             yield
             return
-        with self.issuer.program_on_streams():
+        with self.issuer.program():
             yield
+            cell = self.issuer.mark()
+        self.issuer.wait_issued(cell[0])
 
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> torch.cuda.Event:
         e = self.engine

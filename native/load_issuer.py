@@ -97,16 +97,6 @@ class LoadIssuer:
             finally:
                 self._local.program = None
 
-    @contextlib.contextmanager
-    def program_on_streams(self) -> Iterator["LoadIssuer"]:
-        """A :meth:`program` that, when the block ends, returns only once its work is on the streams (GPU work or
-        torch calls that must follow it may then be issued directly). Not inside another program: that one's
-        work is submitted only when it ends."""
-        with self.program():
-            yield self
-            cell = self.mark()
-        self.wait_issued(cell[0])
-
     def mark(self) -> list[int]:
         """Record a mark in this thread's program: a cell that holds its number once the program is submitted
         (see :class:`IssuedSlice`)."""
@@ -175,8 +165,10 @@ class LoadIssuer:
         if program is not None:
             program.parts.append(part)
             return
-        with self.program_on_streams():  # outside a program: issued now, and waited for
+        with self.program():  # outside a program: issued now, and waited for
             self._local.program.parts.append(part)
+            cell = self.mark()
+        self.wait_issued(cell[0])
 
     # --- the extension's calls that enqueue GPU work ---------------------------------
 
