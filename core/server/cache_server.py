@@ -349,31 +349,39 @@ class CacheServer:
         self._check_may_use_owner(owner, caller)
         conn = self._connection(caller)
         digests = ck.chunk_hashes(self.config.chunk_size)
+        locked: list[list[StoredObject]] = []
+
+        def lock_hit() -> None:
+            with self._lock:
+                if conn.ended:
+                    raise RequestError("this connection's lease has ended; send the request again")
+                new_owner = owner not in conn.owners and self.store.holder(owner) is None
+                if new_owner and len(conn.owners) >= self.limits.max_lock_owners_per_connection:
+                    raise LimitExceeded(f"this connection holds the lookup locks of {len(conn.owners)} requests, "
+                                        "the most max_lock_owners_per_connection="
+                                        f"{self.limits.max_lock_owners_per_connection} allows; free some first")
+                hit = self.store.lookup(owner, digests, holder=caller)
+                if hit:
+                    if self.store.holder(owner) == caller:
+                        conn.owners.add(owner)
+                    self._looked_up[owner] = (ck.prefix(sum(o.num_tokens for o in hit)), digests[:len(hit)])
+            locked.append(hit)
+
         if self.tier is not None:
-            self._fill_from_tier(ck, digests)
-        with self._lock:
-            if conn.ended:
-                raise RequestError("this connection's lease has ended; send the request again")
-            new_owner = owner not in conn.owners and self.store.holder(owner) is None
-            if new_owner and len(conn.owners) >= self.limits.max_lock_owners_per_connection:
-                raise LimitExceeded(f"this connection holds the lookup locks of {len(conn.owners)} requests, the "
-                                    "most max_lock_owners_per_connection="
-                                    f"{self.limits.max_lock_owners_per_connection} allows; free some first")
-            hit = self.store.lookup(owner, digests, holder=caller)
-            if hit:
-                if self.store.holder(owner) == caller:
-                    conn.owners.add(owner)
-                hit_tokens = sum(o.num_tokens for o in hit)
-                self._looked_up[owner] = (ck.prefix(hit_tokens), digests[:len(hit)])
+            self._fill_from_tier(ck, digests, before_streaming=lock_hit)
+        if not locked:
+            lock_hit()
+        hit = locked[0]
         reply: dict[str, Any] = {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
         if hit:
             reply["located"] = self._locations(hit)
         return reply
 
-    def _fill_from_tier(self, ck: CacheKey, digests: list[bytes]) -> None:
-        """Bring the chunks right after what L1 holds of ``ck`` in from the shared tier, as far as it has them.
-        The objects' shape is the cache of the instance the lock owner names (``request@iN``); a key that names
-        none is served from L1 alone."""
+    def _fill_from_tier(self, ck: CacheKey, digests: list[bytes], before_streaming: Callable[[], None]) -> None:
+        """Bring the chunks right after what L1 holds of ``ck`` in from the shared tier, as far as it has them,
+        calling ``before_streaming`` once they are published (:meth:`SharedTier.fill`). The objects' shape is the
+        cache of the instance the lock owner names (``request@iN``); a key that names none is served from L1
+        alone."""
         instance_id = instance_of_lock_owner(ck.request_id)
         with self._lock:
             inst = self._instances.get(instance_id) if instance_id is not None else None
@@ -385,7 +393,7 @@ class CacheServer:
         cs, n = self.config.chunk_size, ck.num_tokens
         counts = [min(cs, n - i * cs) for i in range(in_l1, len(digests))]
         layout = inst.layout
-        self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype)
+        self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype, before_streaming)
 
     def _key(self, key: dict[str, Any]) -> CacheKey:
         """The request's key, refused before anything is done if it is longer than the server's bounds."""

@@ -324,7 +324,8 @@ def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_
     from kvstrata.core.store.l1_store import FillFailed
     from kvstrata.core.store.l2.tier import SharedTier
 
-    hosts = TwoHosts(cluster, HeldReads(open_backend(cluster.addresses), direct=direct))
+    held = HeldReads(open_backend(cluster.addresses), free_reads=0, direct=direct)
+    hosts = TwoHosts(cluster, held)
     try:
         key, digests, payloads = hosts.store_on_a(4 + 100 * direct, 4)
         bad = SharedTier.object_keys(key, digests[1], TOKENS, SHAPE, DTYPE)[2]
@@ -334,7 +335,8 @@ def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_
         raw.set(bad.name(), bytes(value))
         free_before = hosts.b.stats()["free_bytes"]
         assert hosts.fill_b(key, digests) == 4
-        objects = hosts.b.lookup("reader", digests)
+        objects = hosts.b.lookup("reader", digests)  # locked before any value is read (the reads are held)
+        held.release()
         with _pytest.raises(FillFailed):
             hosts.b.wait_landed(objects, 8, BOUND)
         assert hosts.tier_b.wait_fills(BOUND)
@@ -347,6 +349,7 @@ def test_a_value_that_does_not_check_out_fails_a_waiting_reader_and_later_fills_
         assert hosts.fill_b(key, digests[1:]) == 0  # remembered: no second load fails on it
         assert hosts.tier_b.stats()["miss_known_bad"] == 1
     finally:
+        held.release()
         hosts.close()
 
 

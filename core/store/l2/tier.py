@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -278,7 +278,8 @@ class SharedTier:
                     for obj in objects])
 
     def fill(self, shard: ShardOf, digests: Sequence[bytes], token_counts: Sequence[int],
-             shape: tuple[int, int, int, int], dtype: str) -> int:
+             shape: tuple[int, int, int, int], dtype: str,
+             before_streaming: Callable[[], None] | None = None) -> int:
         """Bring the chunks ``digests`` (the run right after an L1 hit) into L1 from the tier, as far as it
         holds every layer group of them and the pool has room; returns how many are now in L1 or on their way.
 
@@ -287,9 +288,25 @@ class SharedTier:
         first (:meth:`_stream`), so that the load of a LOOKUP's hit starts on its first layers while the rest
         still arrive. A value that then does not check out, or a read that fails, fails the chunk's object and
         the ones after it: a load waiting on them fails and the engine recomputes those blocks.
+
+        ``before_streaming`` runs once the run is published and before any of its values is read (also when
+        nothing was published): a LOOKUP takes its locks there, so that the hit it reports is the run it then
+        loads, whole or failed, never one a fast failure already cut short. The stream starts even if it raises.
         """
+        fill = self._publish(shard, digests, token_counts, shape, dtype)
+        try:
+            if before_streaming is not None:
+                before_streaming()
+        finally:
+            if fill is not None:
+                self._start(fill)
+        return fill.run if fill is not None else 0
+
+    def _publish(self, shard: ShardOf, digests: Sequence[bytes], token_counts: Sequence[int],
+                 shape: tuple[int, int, int, int], dtype: str) -> _Fill | None:
+        """The run of ``digests`` the tier holds whole, published filling in L1 (None: nothing to read)."""
         if not digests or self._closed.is_set():
-            return 0
+            return None
         self._bump("asked", len(digests))
         keys = [self.object_keys(shard, d, n, shape, dtype) for d, n in zip(digests, token_counts)]
         try:
@@ -297,7 +314,7 @@ class SharedTier:
         except TierUnavailable as exc:
             self._bump("miss_unavailable", 1)
             log.warning("shared tier: looking up %d chunks: %s", len(keys), exc)
-            return 0
+            return None
         with self._bad_lock:
             bad = [k.name(self.namespace) in self._bad for groups in keys for k in groups]
         run, at = 0, 0
@@ -313,18 +330,19 @@ class SharedTier:
         published = fill.publish(run)
         if published < run:
             self._bump("miss_no_room", 1)
-        if published:
+        return fill if published else None
+
+    def _start(self, fill: _Fill) -> None:
+        """Stream a published fill in on the fill thread (failed at once if the tier is closing)."""
+        with self._fills_changed:
+            self._fills_open += 1
+        try:
+            self._filler.submit(self._stream, fill)
+        except RuntimeError:  # closed meanwhile: nothing will stream them in
+            fill.fail_from(0)
             with self._fills_changed:
-                self._fills_open += 1
-            try:
-                self._filler.submit(self._stream, fill)
-            except RuntimeError:  # closed meanwhile: nothing will stream them in
-                fill.fail_from(0)
-                with self._fills_changed:
-                    self._fills_open -= 1
-                    self._fills_changed.notify_all()
-                return 0
-        return published
+                self._fills_open -= 1
+                self._fills_changed.notify_all()
 
     def _stream(self, fill: _Fill) -> None:
         """Read a published fill's values into its objects and end every one of them, complete or failed,
