@@ -10,6 +10,7 @@ instead of waiting out its timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -395,8 +396,13 @@ class CacheServer:
         layout = inst.layout
         self.tier.fill(ck, digests[in_l1:], counts, layout.shape_signature(), layout.dtype, before_streaming)
 
-    def _key(self, key: dict[str, Any]) -> CacheKey:
-        """The request's key, refused before anything is done if it is longer than the server's bounds."""
+    def _key(self, key: dict[str, Any], instance_id: int | None = None) -> CacheKey:
+        """The request's key, refused before anything is done if it is longer than the server's bounds, with
+        the KV dtype every chunk digest includes (a prompt cached in bfloat16 is not a hit for a float16 cache
+        of the same model, though both hold the same bytes per head): that of the registered cache the request
+        is for (``instance_id``; a LOOKUP's: the one its lock owner names, ``request@iN``), else the one the key
+        carries, else the one every registered cache has. A key naming none where the caches differ is
+        refused."""
         ck = CacheKey.from_wire(key)
         limits = self.limits
         if len(ck.request_id.encode("utf-8", "surrogatepass")) > limits.max_request_id_bytes:
@@ -405,7 +411,22 @@ class CacheServer:
         if ck.num_tokens > limits.max_prompt_tokens:
             raise LimitExceeded(f"the key names {ck.num_tokens} tokens, more than "
                                 f"max_prompt_tokens={limits.max_prompt_tokens}")
-        return ck
+        if instance_id is None:
+            instance_id = instance_of_lock_owner(ck.request_id)
+        with self._lock:
+            inst = self._instances.get(instance_id) if instance_id is not None else None
+            dtypes = {i.layout.dtype for i in self._instances.values()}
+        if inst is not None:
+            if ck.dtype is not None and ck.dtype != inst.layout.dtype:
+                raise RequestError(f"the key says dtype {ck.dtype!r}, the cache of instance {instance_id} holds "
+                                   f"{inst.layout.dtype!r}")
+            return dataclasses.replace(ck, dtype=inst.layout.dtype)
+        if ck.dtype is not None:
+            return ck
+        if len(dtypes) > 1:
+            raise RequestError(f"key {ck.request_id!r} names no registered cache (a lock owner request@iN) and no "
+                               f"dtype, and the registered caches hold {sorted(dtypes)}: say which")
+        return dataclasses.replace(ck, dtype=dtypes.pop()) if dtypes else ck
 
     def _check_may_use_owner(self, owner: str, caller: bytes | None) -> None:
         """Refuse a request naming lock owner ``owner`` unless ``caller`` may use its locks: the connection that
@@ -462,7 +483,7 @@ class CacheServer:
 
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
-        ck = self._key(key)
+        ck = self._key(key, instance_id)
         inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._store(inst, ck, block_ids, event_handle, skip_first_n_tokens))
 
@@ -556,7 +577,7 @@ class CacheServer:
     def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
         """Engine placement: reserve objects for the key's chunks that are not stored yet; the engine copies
         into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
-        ck = self._key(key)
+        ck = self._key(key, instance_id)
         n = ck.num_tokens
         caller = self.transport.current_client()
         conn = self._connection(caller)
@@ -662,7 +683,7 @@ class CacheServer:
                  layer_event_handles: list[bytes] | None, layers_per_slice: int) -> dict[str, Any]:
         # A refused RETRIEVE frees nothing: the locks it names stay with their holder, who frees them (the
         # engine's runtime does on any failed load) or loses them with its lease.
-        ck = self._key(key)
+        ck = self._key(key, instance_id)
         self._check_may_use_owner(ck.request_id, self.transport.current_client())
         inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._retrieve(inst, ck, block_ids, event_handle, skip_first_n_tokens,

@@ -1,9 +1,17 @@
-"""Cache keys: which chunks of a token sequence the store holds.
+"""Cache keys: which chunks of a token sequence the store holds, named the same whichever engine asks.
 
-A chunk's key is a rolling hash: the hash of everything before it, the chunk's
-own token ids and the model shard (model name, world size, rank, optional
-salt). Two requests that share a prefix therefore share the keys of the
-prefix's chunks, and a chunk is only ever reused after the exact same prefix.
+A chunk's identity rests on one page-hash chain: SHA-256 over each page's token ids (uint32 little-endian, or
+int64 after a 0xff tag where a page holds an id past uint32), each page's hash taken over the hash before it,
+the chain seeded by the request's cache salt. It is SGLang's storage page-hash chain, so that an engine naming a
+prompt by token ids (vLLM, TensorRT-LLM: kvstrata computes the chain, one page per chunk) and SGLang naming it
+by the hashes it computed itself (one page per SGLang page) name the same chunk alike wherever the pages agree.
+
+A chunk's digest is its first and last page's hashes under the shard's seed: model name, tensor-parallel
+world size and rank, the KV cache dtype (set by the server from the registered cache the request names) and the
+chain's page size in tokens. Everything that changes a chunk's bytes is in it; the engine is not, nor its block
+size: vLLM (any block size dividing the chunk), TensorRT-LLM and SGLang with a page of one chunk share every
+chunk. SGLang with a smaller page hashes at another step; its chunks are its own (a miss for the others, never
+another prompt's bytes).
 """
 
 from __future__ import annotations
@@ -41,6 +49,41 @@ def check_token_bytes(data: bytes) -> None:
         raise ValueError(f"token bytes must be a multiple of {TOKEN_DTYPE.itemsize}, got {len(data)}")
 
 
+CHAIN_NAMESPACE = b"sglang-cache-namespace-v1"
+"""The seed prefix of a salted chain: SGLang's, so that a salted prompt chains the same in kvstrata and SGLang."""
+WIDE_PAGE_TAG = b"\xff"
+"""Before a page's int64 ids where one of them does not fit uint32: the odd byte count tells the encodings apart."""
+
+
+def chain_seed(salt: str | None) -> bytes | None:
+    """The hash a salted chain starts from (None: an unsalted chain starts from nothing). The salt is hashed
+    as SGLang's request namespace with no extra key and the salt as its cache salt."""
+    if not salt:  # SGLang takes an empty cache salt for none
+        return None
+    encoded = salt.encode("utf-8", "surrogatepass")
+    seed = hashlib.sha256(CHAIN_NAMESPACE)
+    seed.update(b"\x00")  # no extra key
+    seed.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return seed.digest()
+
+
+def page_hash_chain(tokens: bytes, page_size: int, salt: str | None = None) -> Iterator[bytes]:
+    """The chain's hash (32 bytes) at the end of each page of ``tokens`` (int64 little-endian ids, as
+    :func:`pack_tokens` gives them), the last page possibly partial, one at a time as asked for."""
+    ids = np.frombuffer(tokens, dtype=TOKEN_DTYPE)
+    prev = chain_seed(salt)
+    for start in range(0, len(ids), page_size):
+        page = ids[start:start + page_size]
+        h = hashlib.sha256(prev) if prev is not None else hashlib.sha256()
+        if page.size and (int(page.min()) < 0 or int(page.max()) > 0xFFFFFFFF):
+            h.update(WIDE_PAGE_TAG)
+            h.update(page.tobytes())
+        else:
+            h.update(page.astype("<u4").tobytes())
+        prev = h.digest()
+        yield prev
+
+
 @dataclass(frozen=True)
 class CacheKey:
     """The wire form of a key (see ``protocol.CACHE_KEY``) as a typed object."""
@@ -55,6 +98,9 @@ class CacheKey:
     """The engine's per-page prefix hashes instead of token ids (``tokens`` is then empty): page i's hash
     covers every token up to the end of page i, so a chunk's key is its first and last pages' hashes."""
     page_size: int = 0
+    dtype: str | None = None
+    """The KV cache's dtype, part of every digest. The server sets it from the registered cache the request's
+    lock owner names (``request@iN``), so an engine need not send it; None where the key names no cache."""
 
     def __post_init__(self) -> None:
         if self.page_hashes is not None:
@@ -67,19 +113,21 @@ class CacheKey:
 
     @classmethod
     def for_tokens(cls, request_id: str, token_ids: Sequence[int] | np.ndarray, *, model: str,
-                   world_size: int = 1, rank: int = 0, salt: str | None = None) -> "CacheKey":
-        return cls(request_id, model, world_size, rank, pack_tokens(token_ids), salt)
+                   world_size: int = 1, rank: int = 0, salt: str | None = None,
+                   dtype: str | None = None) -> "CacheKey":
+        return cls(request_id, model, world_size, rank, pack_tokens(token_ids), salt, dtype=dtype)
 
     @classmethod
     def for_page_hashes(cls, request_id: str, page_hashes: Sequence[str], page_size: int, *, model: str,
-                        world_size: int = 1, rank: int = 0, salt: str | None = None) -> "CacheKey":
-        return cls(request_id, model, world_size, rank, b"", salt, tuple(page_hashes), page_size)
+                        world_size: int = 1, rank: int = 0, salt: str | None = None,
+                        dtype: str | None = None) -> "CacheKey":
+        return cls(request_id, model, world_size, rank, b"", salt, tuple(page_hashes), page_size, dtype)
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "CacheKey":
         hashes = d.get("page_hashes")
         return cls(d["request_id"], d["model"], d["world_size"], d["rank"], bytes(d["tokens"]), d.get("salt"),
-                   tuple(hashes) if hashes is not None else None, int(d.get("page_size", 0)))
+                   tuple(hashes) if hashes is not None else None, int(d.get("page_size", 0)), d.get("dtype"))
 
     def to_wire(self) -> dict[str, Any]:
         out = {"request_id": self.request_id, "model": self.model, "world_size": self.world_size,
@@ -87,6 +135,8 @@ class CacheKey:
         if self.page_hashes is not None:
             out["page_hashes"] = list(self.page_hashes)
             out["page_size"] = self.page_size
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
         return out
 
     @property
@@ -104,8 +154,9 @@ class CacheKey:
 
     def same_shard(self, other: "CacheKey") -> bool:
         """Whether both keys hash under the same model shard (model, world size, rank, salt) the same way."""
-        return (self.model, self.world_size, self.rank, self.salt, self.page_hashes is None, self.page_size) == \
-            (other.model, other.world_size, other.rank, other.salt, other.page_hashes is None, other.page_size)
+        return (self.model, self.world_size, self.rank, self.salt, self.page_hashes is None, self.page_size,
+                self.dtype) == (other.model, other.world_size, other.rank, other.salt, other.page_hashes is None,
+                                other.page_size, other.dtype)
 
     def chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None) -> list[bytes]:
         """One 16-byte digest per chunk, the last one possibly covering a partial chunk (see iter_chunk_hashes)."""
@@ -119,37 +170,39 @@ class CacheKey:
         digest rather than after the whole prompt's.
 
         ``known`` is an earlier key with its digests (a LOOKUP's, kept for its
-        RETRIEVE). Where this key's tokens start with that key's, the digests of
-        their shared whole chunks are equal by construction and are taken from it,
-        so only what lies past them is hashed: a retrieve after its lookup hashes
-        at most one chunk instead of the whole prompt.
+        RETRIEVE): where this key's tokens are that key's or a prefix of them, the
+        digests are taken from it instead of hashing the prompt again.
         """
         if self.page_hashes is not None:
             yield from self._page_chunk_hashes(chunk_size)
             return
         check_token_bytes(self.tokens)
-        reused: list[bytes] = []
         if known is not None and self.same_shard(known[0]):
             earlier, digests = known
             mine, theirs = self.tokens, earlier.tokens
             if mine == theirs:
-                reused = list(digests)  # the same tokens: every digest, a partial last one too
-            elif theirs.startswith(mine) or mine.startswith(theirs):
-                shared = min(len(mine), len(theirs)) // TOKEN_DTYPE.itemsize
-                reused = list(digests[:shared // chunk_size])
-        yield from reused
-        if reused:
-            prev = reused[-1]
-        else:
-            seed = hashlib.blake2b(digest_size=16)
-            seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}".encode())
-            prev = seed.digest()
-        data, step = memoryview(self.tokens), chunk_size * TOKEN_DTYPE.itemsize
-        for start in range(len(reused) * step, len(data), step):
-            h = hashlib.blake2b(prev, digest_size=16)
-            h.update(data[start:start + step])
-            prev = h.digest()
-            yield prev
+                yield from digests  # the same tokens: every digest, a partial last one too
+                return
+            if theirs.startswith(mine) and len(mine) // TOKEN_DTYPE.itemsize % chunk_size == 0:
+                yield from digests[:len(mine) // TOKEN_DTYPE.itemsize // chunk_size]
+                return
+        seed = self._shard_seed(chunk_size, "")
+        for page_hash in page_hash_chain(self.tokens, chunk_size, self.salt):
+            yield self._chunk_digest(seed, page_hash, page_hash)
+
+    def _shard_seed(self, page_size: int, salt: str) -> bytes:
+        """What every digest of this key starts from: the model shard, the cache dtype, the chain's page size
+        and (keys by page hash, whose chain the engine seeded) the salt."""
+        return f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.dtype or ''}\x00" \
+               f"{page_size}\x00{salt}".encode("utf-8", "surrogatepass")
+
+    @staticmethod
+    def _chunk_digest(seed: bytes, first_page: bytes, last_page: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for part in (seed, first_page, last_page):
+            h.update(len(part).to_bytes(4, "little"))
+            h.update(part)
+        return h.digest()
 
     def _page_chunk_hashes(self, chunk_size: int) -> Iterator[bytes]:
         """A key by page hashes: chunk i's digest is its first and its last page's hash under the shard's seed.
@@ -158,20 +211,26 @@ class CacheKey:
         chunk starts. Both are needed because an engine may key a tail that starts at any page (SGLang keys
         what lies past its own device hit): by the last page alone, a chunk of pages 3-18 would share its
         digest with a stored partial chunk of pages 16-18 and a hit would load those three pages' bytes into
-        pages 3-5. With both, a chunk only ever matches one covering exactly the same pages. Never equal to a
-        token-keyed chunk's: the seed says "pages"."""
+        pages 3-5. With both, a chunk only ever matches one covering exactly the same pages. The engine's hex
+        hashes are taken as the chain's bytes where they are SHA-256 hex (SGLang's), so that a page of one
+        chunk names the chunk a key by token ids names."""
         if chunk_size % self.page_size:
             raise ValueError(f"the server's chunk size {chunk_size} is not a multiple of the engine's page size "
                              f"{self.page_size}: keys by page hash need whole pages per chunk")
         per_chunk = chunk_size // self.page_size
-        seed = hashlib.blake2b(digest_size=16)
-        seed.update(f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.salt or ''}\x00pages"
-                    f"{self.page_size}".encode())
-        prefix = seed.digest()
-        n = len(self.page_hashes)
+        seed = self._shard_seed(self.page_size, self.salt or "")
+        hashes = [_page_hash_bytes(h) for h in self.page_hashes]
+        n = len(hashes)
         for start in range(0, n, per_chunk):
-            h = hashlib.blake2b(prefix, digest_size=16)
-            h.update(self.page_hashes[start].encode())
-            h.update(b"\x00")
-            h.update(self.page_hashes[min(start + per_chunk, n) - 1].encode())
-            yield h.digest()
+            yield self._chunk_digest(seed, hashes[start], hashes[min(start + per_chunk, n) - 1])
+
+
+def _page_hash_bytes(page_hash: str) -> bytes:
+    """An engine's page hash as the chain's bytes: 64 hex digits are a SHA-256 digest (SGLang's); anything else
+    is taken as text, tagged so that it never equals a digest."""
+    if len(page_hash) == 64:
+        try:
+            return bytes.fromhex(page_hash)
+        except ValueError:
+            pass
+    return b"text:" + page_hash.encode("utf-8", "surrogatepass")

@@ -37,6 +37,19 @@ def cluster(tmp_path_factory):
         yield c
 
 
+def node_holding_chunk(cluster: ValkeyCluster, prompt: list[int], chunk: int) -> int:
+    """Which of the cluster's nodes holds the (first layer group's) value of ``prompt``'s chunk ``chunk``."""
+    import valkey.cluster as vc
+
+    raw = vc.ValkeyCluster(startup_nodes=[vc.ClusterNode("127.0.0.1", p) for p in cluster.ports])
+    try:
+        digest = CacheKey.for_tokens("x", prompt, model="m", dtype=SMALL_32.dtype).chunk_hashes(CHUNK)[chunk]
+        name = next(n for n in raw.keys(target_nodes=vc.ValkeyCluster.ALL_NODES) if digest.hex() in n.decode())
+        return cluster.ports.index(raw.get_node_from_key(name).port)
+    finally:
+        raw.close()
+
+
 class Host:
     """One host: a server with its own pool on the shared tier, and the reference engine registered on it."""
 
@@ -176,7 +189,7 @@ def test_a_corrupted_value_ends_the_hit_before_it_and_is_counted(cluster) -> Non
 
         raw = vc.ValkeyCluster(startup_nodes=[vc.ClusterNode("127.0.0.1", p) for p in cluster.ports])
         names = sorted(n.decode() for n in raw.keys(target_nodes=vc.ValkeyCluster.ALL_NODES))
-        digests = CacheKey.for_tokens("x", prompt, model="m").chunk_hashes(CHUNK)
+        digests = CacheKey.for_tokens("x", prompt, model="m", dtype=SMALL_32.dtype).chunk_hashes(CHUNK)
         third = next(n for n in names if digests[2].hex() in n)
         value = bytearray(raw.get(third))
         value[-7] ^= 0x10
@@ -293,6 +306,7 @@ def test_a_node_killed_while_a_lookup_reads_it_costs_the_hit_never_a_hang_or_wro
             prompt = random_prompt(TOKENS, seed=509)
             a.store(prompt)
             a.wait_written(CHUNKS)
+            victim = node_holding_chunk(own, prompt, 0)
             for proc in own.procs:
                 proc.send_signal(signal.SIGSTOP)
             reader = CacheClient(b.server.address, timeout=BOUND)
@@ -302,9 +316,9 @@ def test_a_node_killed_while_a_lookup_reads_it_costs_the_hit_never_a_hang_or_wro
                 assert quick.ping()  # the server answers others meanwhile
                 quick.close()
             finally:
-                own.kill(1)
+                own.kill(victim)
                 for i, proc in enumerate(own.procs):
-                    if i != 1:
+                    if i != victim:
                         proc.send_signal(signal.SIGCONT)
             assert reader.transport.wait(pending, timeout=BOUND)["hit_tokens"] == 0
             reader.close()

@@ -285,3 +285,30 @@ def test_a_prompt_keyed_by_the_engines_page_hashes_stores_hits_and_retrieves_exa
     finally:
         client.unregister_kv_cache(0)
         engine.close()
+
+
+def test_a_prompt_cached_in_one_dtype_is_a_miss_for_a_cache_of_another(client):
+    """bfloat16 and float16 hold the same bytes per head, so only the key can tell them apart: the server puts
+    the dtype of the cache a request names into every digest. A key naming no cache takes the one dtype the
+    registered caches share; where they differ, it must say which."""
+    from kvstrata.core.engine.requests import lock_owner
+
+    bf16 = make_engine(client, SMALL, instance_id=0)
+    fp16 = make_engine(client, ModelShape(num_layers=4, num_heads=2, head_size=16, dtype="float16"), instance_id=1)
+    try:
+        prompt = torch.randint(0, 1000, (128,)).tolist()
+        assert store_prompt(client, bf16, prompt, rid="dtype-store")["stored_tokens"] == 128
+        assert client.lookup(CacheKey.for_tokens(lock_owner("dtype-1", 1), prompt, model="m")) == 0
+        assert client.lookup(CacheKey.for_tokens(lock_owner("dtype-0", 0), prompt, model="m")) == 128
+        assert client.lookup(CacheKey.for_tokens("dtype-b", prompt, model="m", dtype="bfloat16")) == 128
+        assert client.lookup(CacheKey.for_tokens("dtype-f", prompt, model="m", dtype="float16")) == 0
+        with pytest.raises(RemoteError, match=r"names no registered cache .* \['bfloat16', 'float16'\]: say which"):
+            client.lookup(CacheKey.for_tokens("dtype-none", prompt, model="m"))
+        with pytest.raises(RemoteError, match="the key says dtype 'float16', the cache of instance 0 holds"):
+            client.lookup(CacheKey.for_tokens(lock_owner("dtype-lie", 0), prompt, model="m", dtype="float16"))
+        for owner in (lock_owner("dtype-0", 0), "dtype-b"):
+            client.free_lookup_locks(owner)
+    finally:
+        for instance_id, engine in ((0, bf16), (1, fp16)):
+            client.unregister_kv_cache(instance_id)
+            engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstrata.core.store.keys import CacheKey, pack_tokens
+from kvstrata.core.store.keys import CacheKey, pack_tokens, page_hash_chain
 
 CHUNK = 16
 
@@ -80,7 +80,7 @@ def test_a_tail_keyed_from_another_page_never_matches_a_stored_partial_chunk():
     assert page_key("t2", hashes[4:]).chunk_hashes(64) == stored[1:]  # the same pages: the same chunk
 
 
-def test_page_hash_keys_never_collide_with_token_keys_or_other_shards():
+def test_page_hash_keys_of_other_pages_or_shards_never_collide():
     hashes = [f"page-{i}" for i in range(4)]
     by_pages = page_key("r", hashes).chunk_hashes(64)
     assert by_pages != CacheKey.for_tokens("r", list(range(64)), model="m").chunk_hashes(64)
@@ -97,3 +97,44 @@ def test_bad_page_hash_keys_are_refused_naming_what_is_wrong():
         page_key("r", ["a", ""])
     with pytest.raises(ValueError, match="chunk size 40 is not a multiple of the engine's page size 16"):
         page_key("r", ["a", "b", "c"]).chunk_hashes(40)
+
+
+def chain_hex(tokens, page_size, salt=None) -> list[str]:
+    return [h.hex() for h in page_hash_chain(pack_tokens(tokens), page_size, salt)]
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_prompt_by_token_ids_and_by_its_page_hash_chain_names_the_same_chunks(salt):
+    """vLLM and TensorRT-LLM hand token ids, SGLang its page-hash chain: with a page of one chunk they name the
+    same chunks, whole and the partial last one (which SGLang never stores, but the chain covers alike)."""
+    tokens = np.random.default_rng(1).integers(0, 150000, 4 * CHUNK + 5).tolist()
+    by_tokens = key(tokens, salt=salt, dtype="bfloat16").chunk_hashes(CHUNK)
+    by_pages = page_key("s", chain_hex(tokens, CHUNK, salt), CHUNK, dtype="bfloat16").chunk_hashes(CHUNK)
+    assert len(by_tokens) == 5 and by_tokens == by_pages
+
+
+def test_everything_that_changes_the_bytes_changes_the_digest_and_nothing_else_does():
+    tokens = list(range(1000, 1000 + 2 * CHUNK))
+    base = key(tokens, dtype="bfloat16").chunk_hashes(CHUNK)
+    assert key(list(tokens), dtype="bfloat16").chunk_hashes(CHUNK) == base  # another request of the same prompt
+    for other in (key(tokens, dtype="float16"), key(tokens, model="m2", dtype="bfloat16"),
+                  key(tokens, rank=1, world_size=2, dtype="bfloat16"), key(tokens, salt="s", dtype="bfloat16"),
+                  key(tokens, dtype=None)):
+        assert set(other.chunk_hashes(CHUNK)).isdisjoint(base), other
+    # a chain of smaller pages (SGLang with a page of a quarter chunk) is its own: never another prompt's chunk
+    smaller = page_key("s", chain_hex(tokens, CHUNK // 4), CHUNK // 4, dtype="bfloat16").chunk_hashes(CHUNK)
+    assert set(smaller).isdisjoint(base)
+
+
+def test_the_chain_hashes_uint32_ids_and_tags_pages_holding_wider_ones():
+    """SGLang's encoding: a page's ids as uint32 little-endian after the hash before it; a page with an id past
+    uint32 as int64 after one 0xff byte."""
+    import hashlib
+
+    narrow = [1, 2, 3, 70000]
+    first = hashlib.sha256(np.array(narrow[:2], "<u4").tobytes()).digest()
+    second = hashlib.sha256(first + np.array(narrow[2:], "<u4").tobytes()).digest()
+    assert chain_hex(narrow, 2) == [first.hex(), second.hex()]
+    wide = [1, 2 ** 33]
+    assert chain_hex(wide, 2) == [hashlib.sha256(b"\xff" + np.array(wide, "<i8").tobytes()).hexdigest()]
+    assert chain_hex([5] * 3, 2, salt="") == chain_hex([5] * 3, 2)  # an empty salt is none, as in SGLang
