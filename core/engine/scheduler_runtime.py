@@ -132,6 +132,7 @@ class SchedulerRuntime:
         self._released: set[str] = set()
         self._stored: set[str] = set()
         self._unreachable_logged = False
+        self._hash_page_noted = False
         self._down_until = 0.0
 
     # --- admission ---------------------------------------------------------------------
@@ -157,6 +158,18 @@ class SchedulerRuntime:
         hashes = tuple(page_hashes)
         return self._lookup(engine_request_id, PromptRequest(rid, (), salt), len(hashes) * self.block_size,
                             num_computed_tokens, hashes)
+
+    def _note_hash_page(self, hash_page: int, by_page_hashes: bool) -> None:
+        """Say once if this engine's chunks cannot be other engines' hits: an engine naming prompts by its own
+        page-hash chain (SGLang) shares chunks with engines naming them by token ids only where its page is the
+        server's hash page (``kvstrata serve --page-hash-tokens``)."""
+        if self._hash_page_noted or not by_page_hashes:
+            return
+        self._hash_page_noted = True
+        if self.block_size != hash_page:
+            log.warning("this engine's page is %d tokens, the kvstrata server hashes prompts in pages of %d "
+                        "(--page-hash-tokens): what it stores is a hit for engines of its own page size only, "
+                        "not for vLLM or TensorRT-LLM engines on the same server", self.block_size, hash_page)
 
     def _lookup(self, engine_request_id: Any, request: PromptRequest, num_prompt_tokens: int,
                 num_computed_tokens: int, page_hashes: tuple[str, ...] | None) -> int | None:
@@ -198,6 +211,7 @@ class SchedulerRuntime:
             return 0
         self._unreachable_logged = False
         self.chunk_size = int(replies[0]["chunk_size"])
+        self._note_hash_page(int(replies[0].get("hash_page", self.chunk_size)), page_hashes is not None)
         hit = (min(min(int(r["hit_tokens"]) for r in replies), loadable) // bs) * bs
         external = hit - num_computed_tokens
         if external <= 0:

@@ -349,7 +349,7 @@ class CacheServer:
         owner = ck.request_id
         self._check_may_use_owner(owner, caller)
         conn = self._connection(caller)
-        digests = ck.chunk_hashes(self.config.chunk_size)
+        digests = list(self._digests(ck))
         locked: list[list[StoredObject]] = []
 
         def lock_hit() -> None:
@@ -373,7 +373,8 @@ class CacheServer:
         if not locked:
             lock_hit()
         hit = locked[0]
-        reply: dict[str, Any] = {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size}
+        reply: dict[str, Any] = {"hit_tokens": sum(o.num_tokens for o in hit), "chunk_size": self.config.chunk_size,
+                                 "hash_page": self.config.hash_page}
         if hit:
             reply["located"] = self._locations(hit)
         return reply
@@ -427,6 +428,10 @@ class CacheServer:
             raise RequestError(f"key {ck.request_id!r} names no registered cache (a lock owner request@iN) and no "
                                f"dtype, and the registered caches hold {sorted(dtypes)}: say which")
         return dataclasses.replace(ck, dtype=dtypes.pop()) if dtypes else ck
+
+    def _digests(self, ck: CacheKey, known: tuple[CacheKey, list[bytes]] | None = None) -> Iterator[bytes]:
+        """``ck``'s chunk digests in this server's chunks and hash chain (:mod:`kvstrata.core.store.keys`)."""
+        return ck.iter_chunk_hashes(self.config.chunk_size, known, self.config.hash_page)
 
     def _check_may_use_owner(self, owner: str, caller: bytes | None) -> None:
         """Refuse a request naming lock owner ``owner`` unless ``caller`` may use its locks: the connection that
@@ -494,8 +499,7 @@ class CacheServer:
         if not 0 <= skip_first_n_tokens <= n:
             raise RequestError(f"skip_first_n_tokens {skip_first_n_tokens} is not in [0, {n}] (the key's tokens)")
         layout.check_block_ids(block_ids, n)
-        cs = self.config.chunk_size
-        digests = ck.iter_chunk_hashes(cs)  # hashed as the loop goes: the first copy waits for one digest
+        digests = self._digests(ck)  # hashed as the loop goes: the first copy waits for one digest
         inst.target.wait_for_engine(event_handle)
         skipped = in_progress = 0
         # Every chunk's gather is enqueued before one finish(): a device target then
@@ -602,7 +606,7 @@ class CacheServer:
 
             try:
                 bounded = budget if self.limits.max_reserved_fraction < 1 else None  # 1: the pool is the bound
-                for obj, start, count, busy in self._reserve_chunks(ck.iter_chunk_hashes(self.config.chunk_size), n,
+                for obj, start, count, busy in self._reserve_chunks(self._digests(ck), n,
                                                                     inst.layout, skip_first_n_tokens, bounded):
                     if obj is None:
                         if busy:
@@ -753,7 +757,7 @@ class CacheServer:
     # --- retrieve paths --------------------------------------------------------------
 
     def _locked_objects(self, ck: CacheKey, layout: PagedKVLayout) -> list[StoredObject]:
-        digests = ck.chunk_hashes(self.config.chunk_size, self._looked_up.get(ck.request_id))
+        digests = list(self._digests(ck, self._looked_up.get(ck.request_id)))
         objects = self.store.get_locked(ck.request_id, digests)
         signature = layout.shape_signature()
         for o in objects:

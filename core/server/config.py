@@ -295,6 +295,9 @@ class ServerConfig:
                             default_text="1G")
     chunk_size: int = setting(256, Integer(1, metavar="TOKENS"), "tokens per stored chunk; engines' hits are "
                               "multiples of this")
+    page_hash_tokens: int = setting(0, Integer(0, metavar="TOKENS"), "the page of the hash chain that names "
+                                    "chunks: SGLang engines share chunks with vLLM and TensorRT-LLM engines when "
+                                    "their --page-size is this (0: the chunk size)", default_text="the chunk size")
     transfer_threads: int = setting(4, Integer(1), "threads running STORE/RETRIEVE copies, so PING and LOOKUP "
                                     "never wait on them")
     busy_poll_ms: float = setting(25.0, Number(0, metavar="MS"), "with a GPU cache registered, keep polling the "
@@ -335,3 +338,11 @@ class ServerConfig:
     def check(self) -> None:
         """Raise ValueError naming the first setting holding a bad value (the config is mutable)."""
         check_fields(self)
+        if self.page_hash_tokens and self.chunk_size % self.page_hash_tokens:
+            raise ValueError(f"page_hash_tokens: {self.page_hash_tokens} does not divide the chunk size "
+                             f"{self.chunk_size}: a chunk must be whole pages of the hash chain")
+
+    @property
+    def hash_page(self) -> int:
+        """Tokens per page of the hash chain that names chunks (:mod:`kvstrata.core.store.keys`)."""
+        return self.page_hash_tokens or self.chunk_size

@@ -158,16 +158,20 @@ class CacheKey:
                 self.dtype) == (other.model, other.world_size, other.rank, other.salt, other.page_hashes is None,
                                 other.page_size, other.dtype)
 
-    def chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None) -> list[bytes]:
+    def chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None,
+                     hash_page: int = 0) -> list[bytes]:
         """One 16-byte digest per chunk, the last one possibly covering a partial chunk (see iter_chunk_hashes)."""
-        return list(self.iter_chunk_hashes(chunk_size, known))
+        return list(self.iter_chunk_hashes(chunk_size, known, hash_page))
 
-    def iter_chunk_hashes(self, chunk_size: int,
-                          known: tuple["CacheKey", list[bytes]] | None = None) -> Iterator[bytes]:
+    def iter_chunk_hashes(self, chunk_size: int, known: tuple["CacheKey", list[bytes]] | None = None,
+                          hash_page: int = 0) -> Iterator[bytes]:
         """The chunk digests one at a time, each computed when asked for.
 
         A STORE hashes as it goes, so its first chunk's copy starts after one
         digest rather than after the whole prompt's.
+
+        ``hash_page``: tokens per page of the chain a key by token ids is hashed in (0: one page per chunk;
+        the server's ``page_hash_tokens``); a key by page hashes comes in the engine's pages.
 
         ``known`` is an earlier key with its digests (a LOOKUP's, kept for its
         RETRIEVE): where this key's tokens are that key's or a prefix of them, the
@@ -186,9 +190,16 @@ class CacheKey:
             if theirs.startswith(mine) and len(mine) // TOKEN_DTYPE.itemsize % chunk_size == 0:
                 yield from digests[:len(mine) // TOKEN_DTYPE.itemsize // chunk_size]
                 return
-        seed = self._shard_seed(chunk_size, "")
-        for page_hash in page_hash_chain(self.tokens, chunk_size, self.salt):
-            yield self._chunk_digest(seed, page_hash, page_hash)
+        page = hash_page or chunk_size
+        if chunk_size % page:
+            raise ValueError(f"the hash chain's page of {page} tokens does not divide the chunk size {chunk_size}")
+        seed = self._shard_seed(page, "")
+        first = b""
+        for i, page_hash in enumerate(page_hash_chain(self.tokens, page, self.salt)):
+            if i % (chunk_size // page) == 0:
+                first = page_hash
+            if (i + 1) % (chunk_size // page) == 0 or (i + 1) * page >= len(self.tokens) // TOKEN_DTYPE.itemsize:
+                yield self._chunk_digest(seed, first, page_hash)
 
     def _shard_seed(self, page_size: int, salt: str) -> bytes:
         """What every digest of this key starts from: the model shard, the cache dtype, the chain's page size

@@ -138,3 +138,17 @@ def test_the_chain_hashes_uint32_ids_and_tags_pages_holding_wider_ones():
     wide = [1, 2 ** 33]
     assert chain_hex(wide, 2) == [hashlib.sha256(b"\xff" + np.array(wide, "<i8").tobytes()).hexdigest()]
     assert chain_hex([5] * 3, 2, salt="") == chain_hex([5] * 3, 2)  # an empty salt is none, as in SGLang
+
+
+def test_with_a_chain_of_smaller_pages_token_ids_name_the_chunks_an_engine_of_that_page_names():
+    """A server whose page_hash_tokens is SGLang's page of a quarter chunk: token ids hashed in that chain name
+    each chunk as SGLang's hashes of its four pages do, the partial last chunk too; a chain of another page
+    names other chunks."""
+    page = CHUNK // 4
+    tokens = np.random.default_rng(2).integers(0, 150000, 3 * CHUNK + 2 * page).tolist()
+    by_tokens = key(tokens, dtype="float16").chunk_hashes(CHUNK, hash_page=page)
+    by_pages = page_key("s", chain_hex(tokens, page), page, dtype="float16").chunk_hashes(CHUNK)
+    assert len(by_tokens) == 4 and by_tokens == by_pages
+    assert set(key(tokens, dtype="float16").chunk_hashes(CHUNK)).isdisjoint(by_tokens)
+    with pytest.raises(ValueError, match="page of 5 tokens does not divide the chunk size 16"):
+        key(tokens).chunk_hashes(CHUNK, hash_page=5)
