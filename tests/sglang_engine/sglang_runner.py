@@ -87,9 +87,9 @@ def main(config_path: str, out_path: str) -> int:
     import sglang
 
     t0 = time.monotonic()
-    engine = sglang.Engine(model_path=cfg["model"], device="cpu", dtype="float32", page_size=16,
-                           skip_tokenizer_init=True, disable_cuda_graph=True, random_seed=0, log_level="info",
-                           **ENGINE_MEMORY, **cfg.get("engine", {}))
+    engine = sglang.Engine(model_path=cfg["model"], device="cpu", dtype="float32", skip_tokenizer_init=True,
+                           disable_cuda_graph=True, random_seed=0, log_level="info",
+                           **{"page_size": 16, **ENGINE_MEMORY, **cfg.get("engine", {})})
     params = {"max_new_tokens": cfg.get("max_tokens", 8), "temperature": 0.0, "ignore_eos": True}
     result: dict[str, Any] = {"init_s": time.monotonic() - t0, "steps": []}
     try:
