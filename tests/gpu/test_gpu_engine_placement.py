@@ -111,7 +111,7 @@ def test_registered_for_engine_placement_without_an_ipc_export(engine, gpu_serve
     print(f"\nL1 pool ({copier.engine.pool.numel() >> 20} MiB) registered for DMA in {copier.register_s:.3f} s")
     probe = CacheClient(gpu_server.address)
     try:
-        key = CacheKey("probe-ee", "vllm-gpu-engine-placement", 1, 0, pack_tokens(tokens), None)
+        key = CacheKey("probe-ee", "vllm-gpu-engine-placement", 1, 0, pack_tokens(tokens), None, dtype=side.layout.dtype)
         assert probe.lookup(key) == len(tokens)
         probe.free_lookup_locks("probe-ee")
     finally:

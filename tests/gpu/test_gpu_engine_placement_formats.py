@@ -53,7 +53,7 @@ def test_engine_placement_widths_match_the_stored_blocks_and_chunk_major(gpu_ser
         per_width = {}
         for i, width in enumerate([0] + WIDTHS + [AUTO]):
             rid = f"ee-{fmt}-{dtype}-w{width}"
-            key = CacheKey.for_tokens(rid, prompt, model=fmt)
+            key = CacheKey.for_tokens(rid, prompt, model=fmt, dtype=dtype)
             reply = client.transport.wait(client.lookup_async(key))
             assert reply["hit_tokens"] == TOKENS
             dst = shuffled_blocks((i + 1) * nb, nb, seed=100 + i)

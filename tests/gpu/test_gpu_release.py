@@ -63,7 +63,7 @@ def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tm
                                     event_handle=backend.store_event_handle())["stored_tokens"] == TOKENS
             dst = shuffled_blocks(nb, nb, seed=2)
             cache.poison(dst)
-            key = CacheKey.for_tokens("big", prompt, model="llama")
+            key = CacheKey.for_tokens("big", prompt, model="llama", dtype="bfloat16")
             reply = client.transport.wait(client.lookup_async(key))
             assert reply["hit_tokens"] == TOKENS
             torch.cuda.synchronize()

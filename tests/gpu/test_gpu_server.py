@@ -63,7 +63,7 @@ def test_widths_match_the_stored_blocks_and_chunk_major(gpu_server, fmt, dtype):
         signals = client.server_info()["gpu_signals"]
         for i, width in enumerate([0] + WIDTHS):
             rid = f"{fmt}-{dtype}-w{width}"
-            key = CacheKey.for_tokens(rid, prompt, model=fmt)
+            key = CacheKey.for_tokens(rid, prompt, model=fmt, dtype=dtype)
             assert client.lookup(key) == TOKENS
             dst = shuffled_blocks((i + 1) * nb, nb, seed=100 + i)
             cache.poison(dst)
@@ -115,7 +115,7 @@ def test_chunks_stored_from_a_gpu_read_back_canonically_on_cpu(gpu_server, fmt, 
         cache.write(truth, src)
         client.store(CacheKey.for_tokens("s", prompt, model=fmt), gpu_iid, [src],
                      event_handle=backend.store_event_handle())
-        key = CacheKey.for_tokens("cpu-read", prompt, model=fmt)
+        key = CacheKey.for_tokens("cpu-read", prompt, model=fmt, dtype=dtype)
         assert client.lookup(key) == TOKENS
         dst = cpu.allocate(TOKENS)
         cpu.clear(dst)

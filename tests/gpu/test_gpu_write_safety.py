@@ -72,7 +72,7 @@ def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
             dict(block_ids=[dst], skip_first_n_tokens=TOKENS + 1),
         ]
         for i, kw in enumerate(rejected):
-            key = CacheKey.for_tokens(f"bad-{iid}-{i}", prompt, model="g")
+            key = CacheKey.for_tokens(f"bad-{iid}-{i}", prompt, model="g", dtype="bfloat16")
             assert client.lookup(key) == TOKENS
             blocks = kw.pop("block_ids")
             with pytest.raises(RemoteError):
@@ -81,7 +81,7 @@ def test_a_gpu_retrieve_after_rejected_requests_is_byte_exact(gpu_server):
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(before, cache.region_tensors())), "a rejected request wrote"
         assert bytes(board.segment.buf[64:]) == bytes(64)
-        key = CacheKey.for_tokens(f"good-{iid}", prompt, model="g")
+        key = CacheKey.for_tokens(f"good-{iid}", prompt, model="g", dtype="bfloat16")
         assert client.lookup(key) == TOKENS
         worker.submit_retrieve(f"good-{iid}", key, [dst], layers_per_slice=1)
         release_then_read(worker, f"good-{iid}", lambda layer: None, 32)
