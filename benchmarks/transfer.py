@@ -653,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     widths = [int(w) for w in args.widths.split(",")]
     skip = set(args.skip.split(","))
-    result: dict[str, Any] = {"benchmark": "transfer", "device": device_info(),
+    from provenance import measured_commit
+
+    result: dict[str, Any] = {"benchmark": "transfer", "commit": measured_commit(), "device": device_info(),
                               "config": {"tokens": args.tokens, "chunk": args.chunk, "block_size": args.block_size,
                                          "reps": args.reps, "modes": modes, "widths": widths,
                                          "model": "Llama-3.1-8B shapes: 32 layers, 8 KV heads x 128, bf16",

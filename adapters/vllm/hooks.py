@@ -32,7 +32,7 @@ from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.shm import cache_segment_holding
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout, Region
 
-from .kv_layout import cpu_page_layout, cuda_layout
+from .kv_layout import cpu_attention_packing, cpu_page_layout, cuda_layout
 
 NAME = "vllm"
 
@@ -44,7 +44,7 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
         # server: the server opens the buffer by CUDA IPC; worker: this process copies (no export)
         layout, buffer = cuda_layout(kv_caches, export=placement == PLACEMENT_SERVER)
         return KVCacheDescription(layout, [buffer], str(first.device))
-    layout, regions = cpu_page_layout(kv_caches)
+    layout, regions = cpu_page_layout(kv_caches, cpu_attention_packing(first))
     if placement == PLACEMENT_ENGINE:
         return KVCacheDescription(layout, regions)
     start = min(r.data_ptr() for r in regions)

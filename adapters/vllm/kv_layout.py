@@ -46,8 +46,21 @@ def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.
     return items
 
 
-def cpu_page_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, list[torch.Tensor]]:
-    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses."""
+def cpu_attention_packing(kv_cache: torch.Tensor) -> str:
+    """How vLLM's CPU attention kernel packs this cache's pages: the instruction-set path vLLM picks for the
+    dtype, block size and head size (``vec``, ``vec16``, ``amx``, ...) and the dtype. Pages packed otherwise
+    are other bytes, so the packing is part of the format, and so of every chunk's key (a host with AMX never
+    reads a host without it's pages through a shared tier)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, _, block_size, two_heads = kv_cache.shape
+    dtype = str(kv_cache.dtype).removeprefix("torch.")
+    return f"{_get_attn_isa(kv_cache.dtype, block_size, two_heads // 2)}-{dtype}"
+
+
+def cpu_page_layout(kv_caches: dict[str, torch.Tensor], packing: str = "") -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses; ``packing``
+    (:func:`cpu_attention_packing`) names the pages' format."""
     layers = ordered_layers(kv_caches)
     first = layers[0][1]
     if first.dim() != 4:
@@ -64,7 +77,8 @@ def cpu_page_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, 
         raise LayoutError(f"page of {page_bytes} bytes does not split into {block_size} rows")
     row = page_bytes // block_size
     layout = PagedKVLayout(
-        format="vllm-cpu-pages", num_layers=len(layers), kv_size=1, num_blocks=num_blocks, block_size=block_size,
+        format=f"vllm-cpu-{packing}-pages" if packing else "vllm-cpu-pages", num_layers=len(layers), kv_size=1,
+        num_blocks=num_blocks, block_size=block_size,
         num_heads=1, head_bytes=row, dtype="uint8",
         offsets=tuple(((l, 0),) for l in range(len(layers))),
         block_stride=page_bytes, token_stride=row, head_stride=row,

@@ -399,11 +399,12 @@ class CacheServer:
 
     def _key(self, key: dict[str, Any], instance_id: int | None = None) -> CacheKey:
         """The request's key, refused before anything is done if it is longer than the server's bounds, with
-        the KV dtype every chunk digest includes (a prompt cached in bfloat16 is not a hit for a float16 cache
-        of the same model, though both hold the same bytes per head): that of the registered cache the request
-        is for (``instance_id``; a LOOKUP's: the one its lock owner names, ``request@iN``), else the one the key
-        carries, else the one every registered cache has. A key naming none where the caches differ is
-        refused."""
+        the object form every chunk digest includes (``PagedKVLayout.object_form``: the KV dtype, so that a
+        prompt cached in bfloat16 is not a hit for a float16 cache of the same model, though both hold the same
+        bytes per head; an engine's own page format where its pages move opaque): that of the registered cache
+        the request is for (``instance_id``; a LOOKUP's: the one its lock owner names, ``request@iN``), else the
+        one the key carries, else the one every registered cache has. A key naming none where the caches differ
+        is refused."""
         ck = CacheKey.from_wire(key)
         limits = self.limits
         if len(ck.request_id.encode("utf-8", "surrogatepass")) > limits.max_request_id_bytes:
@@ -416,12 +417,13 @@ class CacheServer:
             instance_id = instance_of_lock_owner(ck.request_id)
         with self._lock:
             inst = self._instances.get(instance_id) if instance_id is not None else None
-            dtypes = {i.layout.dtype for i in self._instances.values()}
+            dtypes = {i.layout.object_form() for i in self._instances.values()}
         if inst is not None:
-            if ck.dtype is not None and ck.dtype != inst.layout.dtype:
+            form = inst.layout.object_form()
+            if ck.dtype is not None and ck.dtype != form:
                 raise RequestError(f"the key says dtype {ck.dtype!r}, the cache of instance {instance_id} holds "
-                                   f"{inst.layout.dtype!r}")
-            return dataclasses.replace(ck, dtype=inst.layout.dtype)
+                                   f"{form!r}")
+            return dataclasses.replace(ck, dtype=form)
         if ck.dtype is not None:
             return ck
         if len(dtypes) > 1:

@@ -26,6 +26,8 @@ PLACEMENT_SERVER = "server"
 PLACEMENT_ENGINE = "engine"
 """The engine's worker runs the plan itself, reading the server's L1 pool read-only."""
 
+PAGES_SUFFIX = "-pages"
+"""How a format that moves an engine's pages as opaque rows is named (``PagedKVLayout.moves_pages``)."""
 DTYPE_SIZES = {
     "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
 }
@@ -147,6 +149,18 @@ class PagedKVLayout:
     def shape_signature(self) -> tuple[int, int, int, int]:
         """What an L1 object must match to be scattered into this cache."""
         return (self.kv_size, self.num_layers, self.num_heads, self.head_bytes)
+
+    @property
+    def moves_pages(self) -> bool:
+        """Whether this layout moves an engine's pages as opaque rows (a format named ``...-pages``) instead of
+        kvstrata's per-token ``[kv, layer, token, head, bytes]``: its objects hold that engine's own packing."""
+        return self.format.split("+")[0].endswith(PAGES_SUFFIX)
+
+    def object_form(self) -> str:
+        """What an object's bytes mean beyond its shape, part of every chunk's key (``CacheKey.dtype``): the
+        dtype for a per-token layout, which every engine of the same model and dtype shares; the format for
+        one that moves pages, whose bytes only an engine packing them alike can read."""
+        return self.format.split("+")[0] if self.moves_pages else self.dtype
 
     # --- checks --------------------------------------------------------------------
 

@@ -312,3 +312,32 @@ def test_a_prompt_cached_in_one_dtype_is_a_miss_for_a_cache_of_another(client):
         for instance_id, engine in ((0, bf16), (1, fp16)):
             client.unregister_kv_cache(instance_id)
             engine.close()
+
+
+def test_an_engines_own_page_format_is_a_miss_for_any_other_packing(client):
+    """A cache whose pages move as opaque rows (vLLM's CPU pages, TensorRT-LLM's blocks: formats named
+    ``...-pages``) holds that engine's packing, not kvstrata's per-token form: its chunks are keyed by the format,
+    so a per-token cache of the same model, shape and dtype, or another packing, misses them instead of reading
+    those bytes; the same format hits."""
+    import dataclasses
+
+    from kvstrata.core.engine.requests import lock_owner
+
+    per_token = make_engine(client, SMALL, instance_id=0)
+    pages = ReferenceEngine(SMALL, num_blocks=64, block_size=16)
+    other = ReferenceEngine(SMALL, num_blocks=64, block_size=16)
+    client.register_kv_cache(1, dataclasses.replace(pages.layout, format="reference-vec-pages"), "server")
+    client.register_kv_cache(2, dataclasses.replace(other.layout, format="reference-amx-pages"), "server")
+    try:
+        prompt = torch.randint(0, 1000, (128,)).tolist()
+        blocks = pages.allocate(len(prompt))
+        pages.prefill(prompt, blocks)
+        assert client.store(CacheKey.for_tokens("pages-store", prompt, model="m"), 1, [blocks])["stored_tokens"] == 128
+        assert client.lookup(CacheKey.for_tokens(lock_owner("pages-0", 0), prompt, model="m")) == 0
+        assert client.lookup(CacheKey.for_tokens(lock_owner("pages-2", 2), prompt, model="m")) == 0
+        assert client.lookup(CacheKey.for_tokens(lock_owner("pages-1", 1), prompt, model="m")) == 128
+        client.free_lookup_locks(lock_owner("pages-1", 1))
+    finally:
+        for instance_id, engine in ((0, per_token), (1, pages), (2, other)):
+            client.unregister_kv_cache(instance_id)
+            engine.close()

@@ -29,7 +29,9 @@ P1 = [_rng.randrange(3, 999) for _ in range(200)]  # 12 whole pages
 P2 = [_rng.randrange(3, 999) for _ in range(150)]  # 9 whole pages
 P3 = P1 + [_rng.randrange(3, 999) for _ in range(70)]  # extends P1: its 12 pages load, the rest is computed
 P4 = [_rng.randrange(3, 999) for _ in range(120)]  # 7 whole pages, first computed by a page_first HiCache engine
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
+P5 = [_rng.randrange(3, 999) for _ in range(100)]  # 6 whole pages, first computed through the linker
+P6 = [_rng.randrange(3, 999) for _ in range(90)]  # 5 whole pages, first computed through HiCache
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5, "P6": P6}
 
 
 def engine_env(tmp: Path, name: str, *, slice_hold: SliceHold | None = None, hicache_cpu: bool = False
@@ -77,7 +79,7 @@ def run_sglang(tmp: Path, name: str, steps: list[dict[str, Any]], engine: dict[s
             f"SGLang run {name}: a segment watcher did not finish once the engine had exited"
     left = segments_of(out["engine_pids"])
     assert not left, f"SGLang run {name}: its processes left kvstrata shared-memory segments behind: {left}"
-    if engine:  # kvstrata's engines hold segments until their shutdown: the check above saw them go
+    if with_kvstrata(engine):  # kvstrata's engines hold segments until their shutdown: the check above saw them go
         assert out["segments_at_shutdown"], f"SGLang run {name}: no kvstrata segment existed at its shutdown"
         assert out["watchers_at_shutdown"], f"SGLang run {name}: no segment watcher ran for its scheduler"
         # gracefully, SGLang's shutdown closed the adapter (the watcher only removes a killed engine's segments)
@@ -87,6 +89,12 @@ def run_sglang(tmp: Path, name: str, steps: list[dict[str, Any]], engine: dict[s
     out["wall_s"] = time.monotonic() - started
     out["log"] = log
     return out
+
+
+def with_kvstrata(engine: dict[str, Any] | None) -> bool:
+    """Whether SGLang engine arguments ``engine`` plug kvstrata in (the linker or the HiCache backend)."""
+    return bool(engine) and ("unified_cache_external_linker_config" in engine
+                             or "hicache_storage_backend_extra_config" in engine)
 
 
 SHM_DIR = Path("/dev/shm")

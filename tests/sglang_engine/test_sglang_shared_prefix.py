@@ -1,0 +1,45 @@
+"""One prefix across SGLang's two plug points: what an engine with kvstrata's linker stored is a hit for an
+engine with kvstrata's HiCache storage backend, and the reverse, on one server. Both name pages by SGLang's
+storage hash chain and move KV per token (the device pool, the host pool's layout), so the chunks and their
+bytes are the same; the page is one chunk (the HiCache backend stores a page per object). Outputs equal a run
+without kvstrata."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (tox -e sglang installs sglang 0.5.23)")
+
+from engine import P5, P6, PAGE, assert_same, hicache_engine, linker_engine, read_record, run_sglang  # noqa: E402
+from kvstrata.server_process import ServerProcess  # noqa: E402
+
+MODEL = "shared-prefix-model"
+"""Set alike in both engines: the linker's default is SGLang's model path, the HiCache backend's its own."""
+
+
+def loads(record_path) -> dict[str, int]:
+    return {e["request_id"]: e["tokens"] for e in read_record(record_path) if e["event"] == "load_started"}
+
+
+def test_the_linker_and_the_hicache_backend_read_each_others_prefixes(work):
+    tmp, base = work
+    with ServerProcess(chunk_size=PAGE, l1_bytes=128 << 20) as server:
+        linker_first = run_sglang(tmp, "shared-linker-first", [{"generate": [P5]}],
+                                  linker_engine(server.address, tmp / "shared-linker-first.jsonl", model_name=MODEL))
+        hicache_record = tmp / "shared-hicache.jsonl"
+        hicache = run_sglang(tmp, "shared-hicache", [
+            {"generate": [P5]},                                   # 0: P5's pages from what the linker stored
+            {"generate": [P6]},                                   # 1: computed, backed up to kvstrata
+            {"wait_stored": {"server_address": server.address, "model": MODEL, "tokens": P6, "page_size": PAGE}},
+        ], hicache_engine(server.address, hicache_record, "layer_first", model_name=MODEL), hicache_cpu=True)
+        linker_again = run_sglang(tmp, "shared-linker-again", [{"generate": [P6]}],
+                                  linker_engine(server.address, tmp / "shared-linker-again.jsonl", model_name=MODEL))
+    assert_same(linker_first["steps"][0][0], base["P5"], "P5, computed through the linker")
+    assert_same(hicache["steps"][0][0], base["P5"], "P5 through HiCache, from what the linker stored")
+    assert hicache["steps"][0][0]["cached_tokens"] >= len(P5) // PAGE * PAGE, hicache["steps"][0][0]
+    assert sum(t for r, t in loads(hicache_record).items() if r.startswith("hicache-get-")) >= len(P5) // PAGE * PAGE
+    assert_same(hicache["steps"][1][0], base["P6"], "P6, computed through HiCache")
+    assert hicache["steps"][2]["stored"]["pages"] == len(P6) // PAGE, hicache["steps"][2]
+    assert_same(linker_again["steps"][0][0], base["P6"], "P6 through the linker, from what HiCache stored")
+    assert list(loads(tmp / "shared-linker-again.jsonl").values()) == [len(P6) // PAGE * PAGE], \
+        read_record(tmp / "shared-linker-again.jsonl")
