@@ -223,7 +223,7 @@ class KvstrataWorker(_WorkerBase):
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """Once, with the KV cache manager's primary pool: describe it and register it with the server."""
         self._cuda = kv_cache_tensor.device.type == "cuda"
-        self.runtime.register(TrtllmKvPool(kv_cache_tensor, self.tokens_per_block))
+        self.runtime.register(TrtllmKvPool(kv_cache_tensor, self.tokens_per_block, self.options.kv_heads))
 
     # --- every iteration ----------------------------------------------------------------
 

@@ -9,8 +9,10 @@ The tensor does not say how ``block_size_elems`` splits into heads and head size
 moves whole blocks of this pool (loads and stores are block-aligned), so each (block, layer, plane) is
 described as ``tokens_per_block`` opaque ``uint8`` rows of ``block_size_elems / tokens_per_block``
 elements' bytes (format ``trtllm-pages``), the way the vLLM adapter moves CPU pages. A block's bytes
-round-trip exactly; the L1 object's row order is this pool's own and never shared with another engine's
-format (keys carry the model and rank).
+round-trip exactly; the L1 object's row order is this pool's own, and the format is part of every chunk's
+key, so no other engine's format reads it. Told the KV heads per rank (``kv_heads``), the pool is addressed
+per token instead (``trtllm_pool_layout``'s HND): kvstrata's own per-token objects, shared with every engine
+of the same model and dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TrtllmKvPool:
 
     tensor: torch.Tensor
     tokens_per_block: int
+    kv_heads: int = 0
+    """KV heads per rank (``TrtllmOptions.kv_heads``): the pool is then described per token; 0: opaque pages."""
 
 
 def pool_layout(pool: TrtllmKvPool, region: Region) -> PagedKVLayout:
@@ -58,6 +62,13 @@ def pool_layout(pool: TrtllmKvPool, region: Region) -> PagedKVLayout:
     if tpb <= 0 or elems % tpb:
         raise LayoutError(f"block_size_elems {elems} of the pool does not split into tokens_per_block={tpb} rows "
                           "(check kv_cache_config.tokens_per_block)")
+    if pool.kv_heads:
+        if elems % (tpb * pool.kv_heads):
+            raise LayoutError(f"block_size_elems {elems} of the pool does not split into tokens_per_block={tpb} x "
+                              f"kv_heads={pool.kv_heads} heads (check kvstrata's kv_heads: per rank)")
+        return trtllm_pool_layout(num_layers=num_layers, num_blocks=num_blocks, block_size=tpb,
+                                  num_heads=pool.kv_heads, head_size=elems // tpb // pool.kv_heads,
+                                  dtype=TORCH_DTYPES[t.dtype], region=region, kv_size=kv_factor)
     row_bytes = elems // tpb * t.element_size()
     layout = trtllm_pool_layout(num_layers=num_layers, num_blocks=num_blocks, block_size=tpb, num_heads=1,
                                 head_size=row_bytes, dtype="uint8", region=region, kv_size=kv_factor)

@@ -7,7 +7,7 @@ from the environment of the TensorRT-LLM processes (every rank inherits it):
   file holding one.
 
 The object holds :class:`~kvstrata.core.engine.settings.RuntimeSettings` keys and this adapter's own
-key ``async_load`` (default false). An unknown key, a bad value, an unreadable file or a variable that is
+keys ``async_load`` (default false) and ``kv_heads`` (default 0, see :class:`TrtllmOptions`). An unknown key, a bad value, an unreadable file or a variable that is
 neither JSON nor a path is an error naming the variable (and file) and what was wrong.
 
 ``instance_id``: set it when two TensorRT-LLM engines share a server (each rank registers ``instance_id +
@@ -41,7 +41,13 @@ class TrtllmOptions:
     parks the request until every rank reports it in ``get_finished``, which kvstrata does once its first
     slice has landed."""
 
-    KEYS = ("async_load",)
+    kv_heads: int = 0
+    """KV heads per rank in the pool (the model's ``num_key_value_heads`` / tensor-parallel size). TensorRT-LLM's
+    pool does not say how a block splits into heads: with this kvstrata addresses it per token (HND in a block),
+    so its chunks are the same bytes SGLang and vLLM on CUDA store for the same model and dtype, and each reads
+    the others'. 0 (default): blocks move as opaque pages, shared with TensorRT-LLM engines alone."""
+
+    KEYS = ("async_load", "kv_heads")
 
 
 def parse(values: Mapping[str, Any], where: str) -> tuple[RuntimeSettings, TrtllmOptions]:
@@ -53,7 +59,12 @@ def parse(values: Mapping[str, Any], where: str) -> tuple[RuntimeSettings, Trtll
     async_load = values.get("async_load", False)
     if not isinstance(async_load, bool):
         raise ValueError(f"{where}.async_load must be true or false, got {async_load!r}")  # noqa: TRY004
-    return RuntimeSettings.from_mapping(runtime, where=where), TrtllmOptions(async_load=async_load)
+    kv_heads = values.get("kv_heads", 0)
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 0:
+        raise ValueError(f"{where}.kv_heads must be a whole number of KV heads per rank (0: opaque pages), "
+                         f"got {kv_heads!r}")
+    return RuntimeSettings.from_mapping(runtime, where=where), TrtllmOptions(async_load=async_load,
+                                                                             kv_heads=kv_heads)
 
 
 def load(environ: Mapping[str, str] | None = None) -> tuple[RuntimeSettings, TrtllmOptions]:

@@ -6,6 +6,8 @@ without kvstrata."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (tox -e sglang installs sglang 0.5.23)")
@@ -43,3 +45,50 @@ def test_the_linker_and_the_hicache_backend_read_each_others_prefixes(work):
     assert_same(linker_again["steps"][0][0], base["P6"], "P6 through the linker, from what HiCache stored")
     assert list(loads(tmp / "shared-linker-again.jsonl").values()) == [len(P6) // PAGE * PAGE], \
         read_record(tmp / "shared-linker-again.jsonl")
+
+
+def test_the_tensorrt_llm_harness_hits_what_sglang_stored_when_its_pool_is_addressed_per_token(work, monkeypatch):
+    """TensorRT-LLM cannot run here: its connector is driven in TensorRT-LLM 1.2's call order by the harness
+    (``kvstrata_testing.trtllm_harness``), on a pool of this Llama's KV shape (4 layers, 2 KV heads of 64
+    float32, blocks of 16 tokens). Told its KV heads (``kv_heads``), kvstrata addresses that pool per token and
+    its scheduler finds, and its workers load, the pages SGLang stored; without them its blocks are opaque
+    pages, and the same prompt is a miss. The harness's own model is not the Llama: its outputs are not
+    compared, only what kvstrata found and loaded."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: kvstrata_testing
+    from kvstrata_testing.trtllm_harness import standin
+    from kvstrata_testing.trtllm_harness.executor import Executor
+    from kvstrata_testing.trtllm_harness.model import TinyConfig
+    from kvstrata.adapters.trtllm.settings import ENV_VAR
+
+    tmp, _ = work
+    cfg = TinyConfig(vocab=1000, hidden=128, num_kv_heads=2, head_dim=64, num_layers=4, tokens_per_block=PAGE,
+                     max_ctx=256)
+    connector = standin.KvCacheConnectorConfig("kvstrata.adapters.trtllm.connector", "KvstrataScheduler",
+                                               "KvstrataWorker")
+    installed = standin.install()
+    try:
+        with ServerProcess(chunk_size=PAGE, l1_bytes=128 << 20) as server:
+            run_sglang(tmp, "shared-for-trtllm", [{"generate": [P5]}],
+                       linker_engine(server.address, tmp / "shared-for-trtllm.jsonl", model_name=MODEL))
+            for name, heads in (("trtllm-per-token", {"kv_heads": 2}), ("trtllm-pages", {})):
+                settings = {"server_address": server.address, "model_name": MODEL, "layers_per_slice": 1,
+                            "record_path": str(tmp / f"{name}.jsonl"), "lookup_timeout": 10.0,
+                            "layer_wait_timeout": 30.0, **heads}
+                monkeypatch.setenv(ENV_VAR, json.dumps(settings))
+                ex = Executor(cfg, connector=connector)
+                try:
+                    ex.add_request(1, P5, 4)
+                    assert len(ex.run()[1].generated) == 4
+                finally:
+                    ex.shutdown()
+    finally:
+        if installed:
+            standin.uninstall()
+    assert list(loads(tmp / "trtllm-per-token.jsonl").values()) == [len(P5) // PAGE * PAGE], \
+        read_record(tmp / "trtllm-per-token.jsonl")
+    settled = [e for e in read_record(tmp / "trtllm-per-token.jsonl") if e["event"] == "settled"]
+    assert settled and all(e["failure"] is None for e in settled), settled
+    assert loads(tmp / "trtllm-pages.jsonl") == {}, read_record(tmp / "trtllm-pages.jsonl")

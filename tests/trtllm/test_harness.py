@@ -63,19 +63,25 @@ def events(record: str, name: str) -> list[dict]:
     return [e for e in read_record(record) if e["event"] == name]
 
 
-@pytest.mark.parametrize("world, overlap, async_load, chunk", [
-    (1, False, False, 1 << 30),
-    (1, True, False, 1 << 30),
-    (1, False, True, 1 << 30),
-    (2, False, False, 1 << 30),
-    (2, True, True, 32),
-], ids=["sync", "overlap-loop", "async", "tp2-sync", "tp2-overlap-async-chunked"])
+@pytest.mark.parametrize("world, overlap, async_load, chunk, per_token", [
+    (1, False, False, 1 << 30, False),
+    (1, True, False, 1 << 30, False),
+    (1, False, True, 1 << 30, False),
+    (2, False, False, 1 << 30, False),
+    (2, True, True, 32, False),
+    (1, False, False, 1 << 30, True),
+    (2, True, True, 32, True),
+], ids=["sync", "overlap-loop", "async", "tp2-sync", "tp2-overlap-async-chunked", "sync-per-token",
+        "tp2-overlap-async-chunked-per-token"])
 def test_outputs_equal_a_run_without_the_connector(server, deploy, tmp_path, world: int, overlap: bool,
-                                                   async_load: bool, chunk: int) -> None:
-    seed = hash((world, overlap, async_load, chunk)) & 0xFFFF
+                                                   async_load: bool, chunk: int, per_token: bool) -> None:
+    """``per_token``: kvstrata is told the KV heads per rank (``kv_heads``) and addresses the pool per token
+    (HND in a block) instead of moving whole blocks as opaque pages."""
+    seed = hash((world, overlap, async_load, chunk, per_token)) & 0xFFFF
     ps = prompts(seed)
     base = run(ps, first_id=1000, world=world, overlap=overlap, chunk_size=chunk)
-    record = deploy(server.address, async_load=async_load)
+    heads = {"kv_heads": CFG.num_kv_heads // world} if per_token else {}
+    record = deploy(server.address, async_load=async_load, **heads)
     first = run(ps, first_id=2000 + seed * 10, world=world, overlap=overlap, chunk_size=chunk,
                 connector=CONNECTOR)
     same(outputs(base, 1000), outputs(first, 0))  # cold: everything computed, then stored
@@ -103,6 +109,8 @@ def test_outputs_equal_a_run_without_the_connector(server, deploy, tmp_path, wor
         for i, p in enumerate(ps):
             ex.add_request(3000 + seed * 10 + i, p, MAX_NEW)
         warm = ex.run()
+        described = {(w.runtime.layout.format, w.runtime.layout.num_heads) for w in ex.manager.workers}
+        assert described == ({("trtllm", CFG.num_kv_heads // world)} if per_token else {("trtllm-pages", 1)})
         assert ex.kv.free_blocks == ex.kv.num_blocks
     finally:
         hold.open_all()

@@ -46,3 +46,13 @@ def test_unknown_key_named_with_the_variable_and_file(tmp_path) -> None:
 def test_bad_values_are_refused_by_name(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         settings.load({settings.ENV_VAR: value})
+
+
+def test_kv_heads_is_a_whole_number_of_heads_per_rank() -> None:
+    from kvstrata.adapters.trtllm.settings import parse
+
+    assert parse({"kv_heads": 4}, "X")[1].kv_heads == 4
+    assert parse({}, "X")[1].kv_heads == 0
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="X.kv_heads must be a whole number of KV heads per rank"):
+            parse({"kv_heads": bad}, "X")
