@@ -130,3 +130,23 @@ def test_what_the_linker_stored_on_one_host_is_a_hicache_hit_on_another_through_
     assert_same(on_b["steps"][0][0], base["P6"], "P6 through HiCache on host B, from the tier host A wrote")
     assert on_b["steps"][0][0]["cached_tokens"] >= pages * PAGE, on_b["steps"][0][0]
     assert fetched.get("fetched", 0) >= pages, fetched
+
+
+def test_kvstratas_page_hash_chain_is_sglangs_storage_chain():
+    """The chain kvstrata computes from token ids (for vLLM and TensorRT-LLM) is the one SGLang computes for
+    storage, page for page: random prompts, partial last pages, ids past uint32, with and without a cache salt."""
+    import random
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from kvstrata.core.store.keys import pack_tokens, page_hash_chain
+
+    rng = random.Random(11)
+    for trial in range(100):
+        tokens = [rng.randrange(0, 200_000) for _ in range(rng.randrange(1, 300))]
+        if trial % 4 == 0:
+            tokens[rng.randrange(len(tokens))] = rng.randrange(2 ** 32, 2 ** 40)
+        page, salt = rng.choice([1, 16, 32, 64]), rng.choice([None, "tenant-a", "sel Ω"])
+        theirs = get_storage_hash_str(RadixKey(tokens, cache_salt=salt), None, page_size=page)
+        mine = [h.hex() for h in page_hash_chain(pack_tokens(tokens), page, salt)]
+        assert mine == list(theirs), (trial, len(tokens), page, salt)
