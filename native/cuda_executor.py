@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.store.l1_store import span_view
-from kvstrata.core.transfer.layouts import PagedKVLayout
+from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
 from kvstrata.native.load_issuer import IssuedSlice, LoadIssuer
 
@@ -269,6 +269,8 @@ class CudaTransferEngine:
         self.index = device_index
         self.device = torch.device("cuda", device_index)
         self.regions = list(regions)
+        if layout.plane_strides:
+            raise LayoutError(f"{layout.format}: planes addressed apart (plane_strides) are copied on CPU only")
         if len(self.regions) != len(layout.regions):
             raise ValueError(f"{len(self.regions)} region tensors for a layout with {len(layout.regions)} regions")
         for i, (t, r) in enumerate(zip(self.regions, layout.regions)):

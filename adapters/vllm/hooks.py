@@ -32,7 +32,7 @@ from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.shm import cache_segment_holding
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout, Region
 
-from .kv_layout import cpu_attention_packing, cpu_page_layout, cuda_layout
+from .kv_layout import PER_TOKEN_PACKINGS, cpu_attention_packing, cpu_page_layout, cpu_token_layout, cuda_layout
 
 NAME = "vllm"
 
@@ -44,7 +44,11 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
         # server: the server opens the buffer by CUDA IPC; worker: this process copies (no export)
         layout, buffer = cuda_layout(kv_caches, export=placement == PLACEMENT_SERVER)
         return KVCacheDescription(layout, [buffer], str(first.device))
-    layout, regions = cpu_page_layout(kv_caches, cpu_attention_packing(first))
+    packing = cpu_attention_packing(first)
+    if packing.split("-")[0] in PER_TOKEN_PACKINGS:
+        layout, regions = cpu_token_layout(kv_caches)
+    else:
+        layout, regions = cpu_page_layout(kv_caches, packing)
     if placement == PLACEMENT_ENGINE:
         return KVCacheDescription(layout, regions)
     start = min(r.data_ptr() for r in regions)
@@ -54,7 +58,8 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
         raise NotSupported("vLLM allocates its CPU cache in private memory, which the server cannot map (a cache "
                            "the server may write lies in a segment made by kvstrata.core.shm.create_cache_segment)")
     name, base, size = segment
-    offsets = tuple(((0, r.data_ptr() - base),) for r in regions)
+    offsets = tuple(tuple((0, r.data_ptr() - base + off) for _, off in per_kv)
+                    for r, per_kv in zip(regions, layout.offsets))
     shared = PagedKVLayout(**{**layout.__dict__, "offsets": offsets, "regions": (Region("shm", size, name),)})
     return KVCacheDescription(shared, regions)
 

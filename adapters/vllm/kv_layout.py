@@ -5,11 +5,13 @@ logical shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, all vie
 of one shared buffer.
 
 * CPU: the CPU attention kernel stores K transposed inside a (block, head) page
-  (``[head_size][block_size]``) and V row-major, so a page has no per-token byte
-  ranges. kvstrata therefore moves whole (layer, block) pages as opaque bytes:
-  the layout has one plane, one "head" and rows of ``page_bytes / block_size``
-  bytes, and every copy covers whole blocks. The cache is private memory, so
-  this is the engine placement.
+  (``[head_size][block_size]``) and V row-major. On its ``vec`` and ``vec16``
+  paths kvstrata reads that per token (:func:`cpu_token_layout`: K's elements a
+  block's tokens apart), so the objects are the per-token ones every engine of
+  the model shares; the other paths (``amx``, ``neon``, ...) pack otherwise, and
+  their whole (layer, block) pages move as opaque bytes (:func:`cpu_page_layout`,
+  the packing in the format, and so in every key). The cache is private memory,
+  so this is the engine placement.
 * CUDA: per-token addressing is real (LBNHC or LBHNC, read from the strides), the
   server maps the buffer by CUDA IPC and writes it itself (server placement).
 """
@@ -58,20 +60,55 @@ def cpu_attention_packing(kv_cache: torch.Tensor) -> str:
     return f"{_get_attn_isa(kv_cache.dtype, block_size, two_heads // 2)}-{dtype}"
 
 
-def cpu_page_layout(kv_caches: dict[str, torch.Tensor], packing: str = "") -> tuple[PagedKVLayout, list[torch.Tensor]]:
-    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses; ``packing``
-    (:func:`cpu_attention_packing`) names the pages' format."""
+PER_TOKEN_PACKINGS = ("vec", "vec16")
+"""The CPU kernel's paths whose page is read here per token (K transposed: ``[head_size][block_size]`` per
+head, then V ``[block_size][head_size]``), as checked against vLLM's own ``cpu_attn_reshape_and_cache``; any
+other (``amx``, ``neon``, ...) packs otherwise, and its pages move opaque."""
+
+
+def _cpu_layers(kv_caches: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
     layers = ordered_layers(kv_caches)
     first = layers[0][1]
     if first.dim() != 4:
         raise LayoutError(f"expected [blocks, kv_heads, block_size, 2*head] per layer, got shape {tuple(first.shape)}")
-    num_blocks, _, block_size, _ = first.shape
     regions = []
     for name, t in layers:
         if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
             raise LayoutError(f"layer {name}: every layer must be a contiguous {tuple(first.shape)} "
                               f"{first.dtype} tensor, got {tuple(t.shape)} {t.dtype}")
         regions.append(t.view(-1).view(torch.uint8))
+    return layers, regions
+
+
+def cpu_token_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The per-token layout of a CPU cache the kernel packs by one of :data:`PER_TOKEN_PACKINGS`: K and V
+    planes of each (block, head) page, K's elements a block's tokens apart (``PagedKVLayout.plane_strides``),
+    so its objects are kvstrata's per-token ones, the bytes SGLang and vLLM on CUDA store for the same model."""
+    layers, regions = _cpu_layers(kv_caches)
+    first = layers[0][1]
+    num_blocks, heads, block_size, two_heads = first.shape
+    if first.dtype not in TORCH_DTYPES:
+        raise LayoutError(f"vLLM CPU KV dtype {first.dtype} is not one kvstrata reads per token")
+    es = first.element_size()
+    head_bytes = two_heads // 2 * es
+    v_offset = block_size * head_bytes  # V follows K inside a (block, head) page
+    layout = PagedKVLayout(
+        format="vllm-cpu", num_layers=len(layers), kv_size=2, num_blocks=num_blocks, block_size=block_size,
+        num_heads=heads, head_bytes=head_bytes, dtype=TORCH_DTYPES[first.dtype],
+        offsets=tuple(((l, 0), (l, v_offset)) for l in range(len(layers))),
+        block_stride=first.stride(0) * es, token_stride=head_bytes, head_stride=first.stride(1) * es,
+        regions=tuple(Region("local", r.numel()) for r in regions),
+        plane_strides=((es, block_size * es), (head_bytes, es)),
+    )
+    return layout, regions
+
+
+def cpu_page_layout(kv_caches: dict[str, torch.Tensor], packing: str = "") -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses; ``packing``
+    (:func:`cpu_attention_packing`) names the pages' format."""
+    layers, regions = _cpu_layers(kv_caches)
+    first = layers[0][1]
+    num_blocks, _, block_size, _ = first.shape
     page_bytes = first.stride(0) * first.element_size()
     if page_bytes % block_size:
         raise LayoutError(f"page of {page_bytes} bytes does not split into {block_size} rows")

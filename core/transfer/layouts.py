@@ -110,6 +110,11 @@ class PagedKVLayout:
     layer_groups: tuple[tuple[int, ...], ...] = ()
     """Layers per KV-cache group; empty means one group of all layers. More than
     one group is a hybrid model: chunk-major only."""
+    plane_strides: tuple[tuple[int, int], ...] = ()
+    """Per KV plane, (token stride, element stride) in bytes, for a cache whose planes are not all addressed by
+    ``token_stride`` with each head's elements side by side: vLLM's CPU kernel stores K transposed in a page (a
+    head's elements a block's tokens apart, its tokens one element apart) and V row by row. Empty: every plane
+    is. Copied with torch on CPU only (the CUDA copy paths refuse it)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -150,6 +155,10 @@ class PagedKVLayout:
         """What an L1 object must match to be scattered into this cache."""
         return (self.kv_size, self.num_layers, self.num_heads, self.head_bytes)
 
+    def plane_addressing(self, plane: int) -> tuple[int, int]:
+        """(token stride, element stride) in bytes of KV plane ``plane`` (see :attr:`plane_strides`)."""
+        return self.plane_strides[plane] if self.plane_strides else (self.token_stride, self.element_size)
+
     @property
     def moves_pages(self) -> bool:
         """Whether this layout moves an engine's pages as opaque rows (a format named ``...-pages``) instead of
@@ -184,14 +193,25 @@ class PagedKVLayout:
             need(region.size > 0, f"region {i} has size {region.size}")
         # With positive strides the highest byte any (block, token, head) reaches is off + span - 1, the
         # lowest off: both inside the region means every byte a copy can address is.
-        span = ((self.num_blocks - 1) * self.block_stride + (self.block_size - 1) * self.token_stride
-                + (self.num_heads - 1) * self.head_stride + self.head_bytes)
+        if self.plane_strides:
+            need(len(self.plane_strides) == self.kv_size,
+                 f"plane_strides lists {len(self.plane_strides)} planes, kv_size is {self.kv_size}")
+            need(all(ts > 0 and es > 0 for ts, es in self.plane_strides),
+                 f"plane_strides must be positive, got {self.plane_strides}")
+        elements = self.head_bytes // self.element_size
+
+        def span(plane: int) -> int:
+            token_stride, element_stride = self.plane_addressing(plane)
+            return ((self.num_blocks - 1) * self.block_stride + (self.block_size - 1) * token_stride
+                    + (self.num_heads - 1) * self.head_stride + (elements - 1) * element_stride
+                    + self.element_size)
+
         for l, per_kv in enumerate(self.offsets):
             need(len(per_kv) == self.kv_size, f"layer {l} has {len(per_kv)} KV planes, kv_size is {self.kv_size}")
             for k, (r, off) in enumerate(per_kv):
                 need(0 <= r < len(self.regions), f"layer {l} plane {k} names region {r}, only {len(self.regions)}")
-                need(off >= 0 and off + span <= self.regions[r].size,
-                     f"layer {l} plane {k} spans bytes [{off}, {off + span}) past region {r} of "
+                need(off >= 0 and off + span(k) <= self.regions[r].size,
+                     f"layer {l} plane {k} spans bytes [{off}, {off + span(k)}) past region {r} of "
                      f"{self.regions[r].size} bytes")
         if self.layer_groups:
             flat = sorted(l for g in self.layer_groups for l in g)
@@ -225,6 +245,7 @@ class PagedKVLayout:
             "block_stride": self.block_stride, "token_stride": self.token_stride,
             "head_stride": self.head_stride, "regions": [r.to_wire() for r in self.regions],
             "layer_groups": [list(g) for g in self.layer_groups],
+            **({"plane_strides": [list(p) for p in self.plane_strides]} if self.plane_strides else {}),
         }
 
     @classmethod
@@ -245,6 +266,7 @@ class PagedKVLayout:
                 offsets=tuple(tuple(_ints(pair, "offsets", 2) for pair in per_kv) for per_kv in offsets),
                 regions=tuple(Region.from_wire(r) for r in regions),
                 layer_groups=tuple(_ints(g, "layer_groups") for g in d.get("layer_groups") or ()),
+                plane_strides=tuple(_ints(p, "plane_strides", 2) for p in d.get("plane_strides") or ()),
             )
         except LayoutError:
             raise

@@ -17,16 +17,28 @@ from kvstrata.core.transfer.planner import TransferJob
 
 
 def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: int, plane: int) -> torch.Tensor:
-    """The ``[blocks, block_size, heads, head_bytes]`` uint8 view of one layer's K or V plane."""
+    """The ``[blocks, block_size, heads, head_bytes]`` uint8 view of one layer's K or V plane; for a plane whose
+    elements are not side by side (``PagedKVLayout.plane_strides``), ``[blocks, block_size, heads, elements,
+    element_size]`` (:func:`fitted` shapes the object's side alike)."""
     r, off = layout.offsets[layer][plane]
     region = regions[r]
-    return torch.as_strided(
-        region,
-        (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes),
-        (layout.block_stride, layout.token_stride, layout.head_stride, 1),
-        # as_strided counts from the start of the storage, and a region may be a view into it
-        region.storage_offset() + off,
-    )
+    token_stride, element_stride = layout.plane_addressing(plane)
+    es = layout.element_size
+    # as_strided counts from the start of the storage, and a region may be a view into it
+    if element_stride == es:
+        return torch.as_strided(region, (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes),
+                                (layout.block_stride, token_stride, layout.head_stride, 1),
+                                region.storage_offset() + off)
+    return torch.as_strided(region, (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes // es,
+                                     es),
+                            (layout.block_stride, token_stride, layout.head_stride, element_stride, 1),
+                            region.storage_offset() + off)
+
+
+def fitted(rows: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[..., head_bytes]``, the object's side) shaped as ``plane`` (a :func:`plane_view`) addresses
+    a head: split into elements where the plane's are apart."""
+    return rows.unflatten(-1, plane.shape[-2:]) if plane.dim() == 5 else rows
 
 
 def block_runs(blocks: torch.Tensor, offsets: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -59,7 +71,7 @@ def layer_span_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, firs
     Python-loop speed and memcpy speed.
     """
     row = layout.num_heads * layout.head_bytes
-    if (layout.is_hybrid or (layout.num_heads > 1 and layout.head_stride != layout.head_bytes)
+    if (layout.is_hybrid or layout.plane_strides or (layout.num_heads > 1 and layout.head_stride != layout.head_bytes)
             or layout.token_stride != row
             or layout.block_stride != layout.block_size * row):
         return None
@@ -127,7 +139,8 @@ def scatter_staged(staged: torch.Tensor, regions: Sequence[torch.Tensor], layout
         layer = layer_offset + slot
         g = group[layer]
         for k in range(layout.kv_size):
-            dst, src = plane_view(regions, layout, layer, k), staged[k, slot]
+            dst = plane_view(regions, layout, layer, k)
+            src = fitted(staged[k, slot], dst)
             for block, off, tok, n in runs[g]:
                 dst[block, off:off + n].copy_(src[tok:tok + n])
 
@@ -146,7 +159,8 @@ def gather_staged(out: torch.Tensor, regions: Sequence[torch.Tensor], layout: Pa
     for layer in range(layout.num_layers):
         g = group[layer]
         for k in range(layout.kv_size):
-            src, dst = plane_view(regions, layout, layer, k), out[k, layer]
+            src = plane_view(regions, layout, layer, k)
+            dst = fitted(out[k, layer], src)
             for block, off, tok, n in runs[g]:
                 dst[tok:tok + n].copy_(src[block, off:off + n])
 
