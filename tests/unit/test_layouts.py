@@ -122,3 +122,25 @@ def test_a_layout_moving_an_engines_pages_is_keyed_by_its_format_a_per_token_one
     per_token = vllm_layout(num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=4, dtype="bfloat16",
                             region=Region("local", 16), physical="LBNHC")
     assert not per_token.moves_pages and per_token.object_form() == "bfloat16"
+
+
+def test_planes_addressed_apart_are_bounded_and_cross_the_wire():
+    """``plane_strides``: per plane (token stride, element stride); the bounds check covers a plane whose
+    elements lie apart, and the descriptor survives the wire."""
+    import dataclasses
+
+    from kvstrata.core.transfer.layouts import PagedKVLayout
+
+    es, hd, bs, heads, blocks = 4, 8, 4, 2, 3
+    page = heads * bs * 2 * hd * es
+    layout = PagedKVLayout(format="k-transposed", num_layers=1, kv_size=2, num_blocks=blocks, block_size=bs,
+                           num_heads=heads, head_bytes=hd * es, dtype="float32",
+                           offsets=(((0, 0), (0, bs * hd * es)),), block_stride=page, token_stride=hd * es,
+                           head_stride=bs * 2 * hd * es, regions=(Region("local", blocks * page),),
+                           plane_strides=((es, bs * es), (hd * es, es)))
+    assert PagedKVLayout.from_wire(layout.to_wire("engine")) == layout
+    assert layout.plane_addressing(0) == (es, bs * es) and layout.object_form() == "float32"
+    with pytest.raises(LayoutError, match="spans bytes"):
+        dataclasses.replace(layout, regions=(Region("local", blocks * page - 1),))
+    with pytest.raises(LayoutError, match="plane_strides lists 1 planes"):
+        dataclasses.replace(layout, plane_strides=((es, es),))
