@@ -150,3 +150,42 @@ def test_what_vllm_stored_on_one_host_is_a_hit_for_sglang_on_another_through_the
     assert loads_of(tmp, "tier-sglang") == [WHOLE], read_record(tmp / "tier-sglang.jsonl")
     assert fetched.get("fetched", 0) >= WHOLE // PAGE, fetched
 
+
+def test_the_tensorrt_llm_harness_hits_what_vllm_stored(work, monkeypatch):
+    """TensorRT-LLM cannot run here: its connector is driven in TensorRT-LLM 1.2's call order by the harness
+    (``kvstrata_testing.trtllm_harness``), on a pool of the Llama's KV shape (4 layers, 2 KV heads of 64
+    float32, blocks of 32 tokens), told its KV heads (``kv_heads``) so kvstrata reads it per token. The
+    harness's own model is not the Llama, so its outputs are not compared; what is shown is that its scheduler
+    finds and its workers load the six pages vLLM stored."""
+    from kvstrata_testing.trtllm_harness import standin
+    from kvstrata_testing.trtllm_harness.executor import Executor
+    from kvstrata_testing.trtllm_harness.model import TinyConfig
+    from kvstrata.adapters.trtllm.settings import ENV_VAR
+
+    tmp, _ = work
+    installed = standin.install()
+    try:
+        with ServerProcess(chunk_size=PAGE, l1_bytes=256 << 20) as server:
+            run_vllm(tmp, "vllm-for-trtllm", [[X]], vllm_connector(server, tmp, "vllm-for-trtllm"))
+            record = tmp / "trtllm-hits.jsonl"
+            settings = {"server_address": server.address, "model_name": MODEL_NAME, "layers_per_slice": 1,
+                        "record_path": str(record), "kv_heads": 2, "lookup_timeout": 10.0,
+                        "layer_wait_timeout": 30.0}
+            monkeypatch.setenv(ENV_VAR, json.dumps(settings))
+            cfg = TinyConfig(vocab=1000, hidden=128, num_kv_heads=2, head_dim=64, num_layers=4,
+                             tokens_per_block=PAGE, max_ctx=256)
+            connector = standin.KvCacheConnectorConfig("kvstrata.adapters.trtllm.connector", "KvstrataScheduler",
+                                                       "KvstrataWorker")
+            ex = Executor(cfg, connector=connector)
+            try:
+                ex.add_request(1, X, 4)
+                done = ex.run()
+            finally:
+                ex.shutdown()
+    finally:
+        if installed:
+            standin.uninstall()
+    assert len(done[1].generated) == 4
+    assert loads_of(tmp, "trtllm-hits") == [WHOLE], read_record(record)
+    settled = [e for e in read_record(record) if e["event"] == "settled"]
+    assert settled and all(e["failure"] is None for e in settled), settled
