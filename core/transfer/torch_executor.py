@@ -18,8 +18,8 @@ from kvstrata.core.transfer.planner import TransferJob
 
 def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: int, plane: int) -> torch.Tensor:
     """The ``[blocks, block_size, heads, head_bytes]`` uint8 view of one layer's K or V plane; for a plane whose
-    elements are not side by side (``PagedKVLayout.plane_strides``), ``[blocks, block_size, heads, elements,
-    element_size]`` (:func:`fitted` shapes the object's side alike)."""
+    elements are not side by side (``PagedKVLayout.plane_strides``), ``[blocks, block_size, heads, elements]``
+    of an integer type of the element's size (:func:`fitted` views the object's side alike)."""
     r, off = layout.offsets[layer][plane]
     region = regions[r]
     token_stride, element_stride = layout.plane_addressing(plane)
@@ -29,16 +29,22 @@ def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: in
         return torch.as_strided(region, (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes),
                                 (layout.block_stride, token_stride, layout.head_stride, 1),
                                 region.storage_offset() + off)
-    return torch.as_strided(region, (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes // es,
-                                     es),
-                            (layout.block_stride, token_stride, layout.head_stride, element_stride, 1),
-                            region.storage_offset() + off)
+    # elements apart: address them as elements (a same-sized integer), one copy per element, not per byte
+    words = region.view(WORDS[es])
+    return torch.as_strided(words, (layout.num_blocks, layout.block_size, layout.num_heads, layout.head_bytes // es),
+                            (layout.block_stride // es, token_stride // es, layout.head_stride // es,
+                             element_stride // es),
+                            words.storage_offset() + off // es)
+
+
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer type a plane's elements are copied as, by element size (their bits move unchanged)."""
 
 
 def fitted(rows: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``[..., head_bytes]``, the object's side) shaped as ``plane`` (a :func:`plane_view`) addresses
-    a head: split into elements where the plane's are apart."""
-    return rows.unflatten(-1, plane.shape[-2:]) if plane.dim() == 5 else rows
+    """``rows`` (``[..., head_bytes]`` bytes, the object's side) as ``plane`` (a :func:`plane_view`) holds a
+    head: as its elements where the plane addresses elements."""
+    return rows.view(plane.dtype) if plane.dtype != rows.dtype else rows
 
 
 def block_runs(blocks: torch.Tensor, offsets: torch.Tensor) -> list[tuple[int, int, int, int]]:
