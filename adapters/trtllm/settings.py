@@ -7,8 +7,9 @@ from the environment of the TensorRT-LLM processes (every rank inherits it):
   file holding one.
 
 The object holds :class:`~kvstrata.core.engine.settings.RuntimeSettings` keys and this adapter's own
-keys ``async_load`` (default false) and ``kv_heads`` (default 0, see :class:`TrtllmOptions`). An unknown key, a bad value, an unreadable file or a variable that is
-neither JSON nor a path is an error naming the variable (and file) and what was wrong.
+keys ``async_load`` (default false) and ``kv_heads`` (default 0, see :class:`TrtllmOptions`). An unknown key, a
+bad value, an unreadable file or a variable that is neither JSON nor a path is an error naming the variable (and
+file) and what was wrong.
 
 ``instance_id``: set it when two TensorRT-LLM engines share a server (each rank registers ``instance_id +
 rank``, and both sides' lock owners embed it). TensorRT-LLM hands a connector only its ``llm_args``, the

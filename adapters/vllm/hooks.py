@@ -32,7 +32,7 @@ from kvstrata.core.arrival.events import EventBackend
 from kvstrata.core.shm import cache_segment_holding
 from kvstrata.core.transfer.layouts import PLACEMENT_SERVER, PLACEMENT_ENGINE, PagedKVLayout, Region
 
-from .kv_layout import PER_TOKEN_PACKINGS, cpu_attention_packing, cpu_page_layout, cpu_token_layout, cuda_layout
+from .kv_layout import PER_TOKEN_ISAS, cpu_attention_isa, cpu_page_layout, cpu_token_layout, cuda_layout
 
 NAME = "vllm"
 
@@ -44,11 +44,11 @@ def describe(kv_caches: dict[str, torch.Tensor], placement: str) -> KVCacheDescr
         # server: the server opens the buffer by CUDA IPC; worker: this process copies (no export)
         layout, buffer = cuda_layout(kv_caches, export=placement == PLACEMENT_SERVER)
         return KVCacheDescription(layout, [buffer], str(first.device))
-    packing = cpu_attention_packing(first)
-    if packing.split("-")[0] in PER_TOKEN_PACKINGS:
+    isa = cpu_attention_isa(first)
+    if isa in PER_TOKEN_ISAS:
         layout, regions = cpu_token_layout(kv_caches)
     else:
-        layout, regions = cpu_page_layout(kv_caches, packing)
+        layout, regions = cpu_page_layout(kv_caches, isa)
     if placement == PLACEMENT_ENGINE:
         return KVCacheDescription(layout, regions)
     start = min(r.data_ptr() for r in regions)

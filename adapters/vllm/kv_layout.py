@@ -48,19 +48,16 @@ def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.
     return items
 
 
-def cpu_attention_packing(kv_cache: torch.Tensor) -> str:
-    """How vLLM's CPU attention kernel packs this cache's pages: the instruction-set path vLLM picks for the
-    dtype, block size and head size (``vec``, ``vec16``, ``amx``, ...) and the dtype. Pages packed otherwise
-    are other bytes, so the packing is part of the format, and so of every chunk's key (a host with AMX never
-    reads a host without it's pages through a shared tier)."""
+def cpu_attention_isa(kv_cache: torch.Tensor) -> str:
+    """The instruction-set path vLLM's CPU attention kernel takes for this cache (``vec``, ``vec16``, ``amx``,
+    ...: vLLM's choice from the dtype, block size and head size), which decides how it packs a page."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     _, _, block_size, two_heads = kv_cache.shape
-    dtype = str(kv_cache.dtype).removeprefix("torch.")
-    return f"{_get_attn_isa(kv_cache.dtype, block_size, two_heads // 2)}-{dtype}"
+    return _get_attn_isa(kv_cache.dtype, block_size, two_heads // 2)
 
 
-PER_TOKEN_PACKINGS = ("vec", "vec16")
+PER_TOKEN_ISAS = ("vec", "vec16")
 """The CPU kernel's paths whose page is read here per token (K transposed: ``[head_size][block_size]`` per
 head, then V ``[block_size][head_size]``), as checked against vLLM's own ``cpu_attn_reshape_and_cache``; any
 other (``amx``, ``neon``, ...) packs otherwise, and its pages move opaque."""
@@ -81,7 +78,7 @@ def _cpu_layers(kv_caches: dict[str, torch.Tensor]) -> tuple[list[tuple[str, tor
 
 
 def cpu_token_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout, list[torch.Tensor]]:
-    """The per-token layout of a CPU cache the kernel packs by one of :data:`PER_TOKEN_PACKINGS`: K and V
+    """The per-token layout of a CPU cache the kernel packs on one of :data:`PER_TOKEN_ISAS`: K and V
     planes of each (block, head) page, K's elements a block's tokens apart (``PagedKVLayout.plane_strides``),
     so its objects are kvstrata's per-token ones, the bytes SGLang and vLLM on CUDA store for the same model."""
     layers, regions = _cpu_layers(kv_caches)
@@ -103,11 +100,13 @@ def cpu_token_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[PagedKVLayout,
     return layout, regions
 
 
-def cpu_page_layout(kv_caches: dict[str, torch.Tensor], packing: str = "") -> tuple[PagedKVLayout, list[torch.Tensor]]:
-    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses; ``packing``
-    (:func:`cpu_attention_packing`) names the pages' format."""
+def cpu_page_layout(kv_caches: dict[str, torch.Tensor], isa: str = "") -> tuple[PagedKVLayout, list[torch.Tensor]]:
+    """The opaque-page layout of a CPU cache and the per-layer byte regions it addresses. The kernel's path
+    (``isa``, :func:`cpu_attention_isa`) and the dtype name the pages' format, and so are in every chunk's key:
+    a host taking another path (AMX or not) never reads these pages, through a shared tier either."""
     layers, regions = _cpu_layers(kv_caches)
     first = layers[0][1]
+    packing = f"{isa}-{str(first.dtype).removeprefix('torch.')}" if isa else ""
     num_blocks, _, block_size, _ = first.shape
     page_bytes = first.stride(0) * first.element_size()
     if page_bytes % block_size:

@@ -417,7 +417,6 @@ class CacheServer:
             instance_id = instance_of_lock_owner(ck.request_id)
         with self._lock:
             inst = self._instances.get(instance_id) if instance_id is not None else None
-            dtypes = {i.layout.object_form() for i in self._instances.values()}
         if inst is not None:
             form = inst.layout.object_form()
             if ck.dtype is not None and ck.dtype != form:
@@ -426,6 +425,8 @@ class CacheServer:
             return dataclasses.replace(ck, dtype=form)
         if ck.dtype is not None:
             return ck
+        with self._lock:
+            dtypes = {i.layout.object_form() for i in self._instances.values()}
         if len(dtypes) > 1:
             raise RequestError(f"key {ck.request_id!r} names no registered cache (a lock owner request@iN) and no "
                                f"dtype, and the registered caches hold {sorted(dtypes)}: say which")

@@ -6,12 +6,12 @@ the chain seeded by the request's cache salt. It is SGLang's storage page-hash c
 prompt by token ids (vLLM, TensorRT-LLM: kvstrata computes the chain, one page per chunk) and SGLang naming it
 by the hashes it computed itself (one page per SGLang page) name the same chunk alike wherever the pages agree.
 
-A chunk's digest is its first and last page's hashes under the shard's seed: model name, tensor-parallel
-world size and rank, the KV cache dtype (set by the server from the registered cache the request names) and the
-chain's page size in tokens. Everything that changes a chunk's bytes is in it; the engine is not, nor its block
-size: vLLM (any block size dividing the chunk), TensorRT-LLM and SGLang with a page of one chunk share every
-chunk. SGLang with a smaller page hashes at another step; its chunks are its own (a miss for the others, never
-another prompt's bytes).
+A chunk's digest is its first and last page's hashes under the shard's seed: model name, tensor-parallel world size
+and rank, the cache's object form (its KV dtype, or an engine's own page format: set by the server from the
+registered cache the request is for) and the chain's page size in tokens. Everything that changes a chunk's bytes
+is in it; the engine is not, nor its block size: vLLM (any block size dividing the chunk), TensorRT-LLM and SGLang
+with a page of the server's hash page (``--page-hash-tokens``, by default one chunk) share every chunk. SGLang with
+another page hashes at another step; its chunks are its own (a miss for the others, never another prompt's bytes).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -99,8 +99,9 @@ class CacheKey:
     covers every token up to the end of page i, so a chunk's key is its first and last pages' hashes."""
     page_size: int = 0
     dtype: str | None = None
-    """The KV cache's dtype, part of every digest. The server sets it from the registered cache the request's
-    lock owner names (``request@iN``), so an engine need not send it; None where the key names no cache."""
+    """The cache's object form (``PagedKVLayout.object_form``: its KV dtype, or an engine's own page format),
+    part of every digest. The server sets it from the registered cache the request is for, so an engine need
+    not send it; None where the key names no cache."""
 
     def __post_init__(self) -> None:
         if self.page_hashes is not None:
@@ -193,27 +194,14 @@ class CacheKey:
         page = hash_page or chunk_size
         if chunk_size % page:
             raise ValueError(f"the hash chain's page of {page} tokens does not divide the chunk size {chunk_size}")
-        seed = self._shard_seed(page, "")
-        first = b""
-        for i, page_hash in enumerate(page_hash_chain(self.tokens, page, self.salt)):
-            if i % (chunk_size // page) == 0:
-                first = page_hash
-            if (i + 1) % (chunk_size // page) == 0 or (i + 1) * page >= len(self.tokens) // TOKEN_DTYPE.itemsize:
-                yield self._chunk_digest(seed, first, page_hash)
+        yield from _chunk_digests(self._shard_seed(page, ""), page_hash_chain(self.tokens, page, self.salt),
+                                  chunk_size // page)
 
     def _shard_seed(self, page_size: int, salt: str) -> bytes:
         """What every digest of this key starts from: the model shard, the cache dtype, the chain's page size
         and (keys by page hash, whose chain the engine seeded) the salt."""
         return f"{self.model}\x00{self.world_size}\x00{self.rank}\x00{self.dtype or ''}\x00" \
                f"{page_size}\x00{salt}".encode("utf-8", "surrogatepass")
-
-    @staticmethod
-    def _chunk_digest(seed: bytes, first_page: bytes, last_page: bytes) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        for part in (seed, first_page, last_page):
-            h.update(len(part).to_bytes(4, "little"))
-            h.update(part)
-        return h.digest()
 
     def _page_chunk_hashes(self, chunk_size: int) -> Iterator[bytes]:
         """A key by page hashes: chunk i's digest is its first and its last page's hash under the shard's seed.
@@ -228,12 +216,32 @@ class CacheKey:
         if chunk_size % self.page_size:
             raise ValueError(f"the server's chunk size {chunk_size} is not a multiple of the engine's page size "
                              f"{self.page_size}: keys by page hash need whole pages per chunk")
-        per_chunk = chunk_size // self.page_size
-        seed = self._shard_seed(self.page_size, self.salt or "")
-        hashes = [_page_hash_bytes(h) for h in self.page_hashes]
-        n = len(hashes)
-        for start in range(0, n, per_chunk):
-            yield self._chunk_digest(seed, hashes[start], hashes[min(start + per_chunk, n) - 1])
+        yield from _chunk_digests(self._shard_seed(self.page_size, self.salt or ""),
+                                  map(_page_hash_bytes, self.page_hashes), chunk_size // self.page_size)
+
+
+def _chunk_digests(seed: bytes, pages: Iterable[bytes], per_chunk: int) -> Iterator[bytes]:
+    """One digest per ``per_chunk`` pages of ``pages`` (the chain's hashes, in order), the last chunk possibly
+    short: its first and last page's hashes under ``seed``, each part length-prefixed so none can run into the
+    next."""
+    first = last = b""
+    count = 0
+    for page in pages:
+        first = page if count == 0 else first
+        last, count = page, count + 1
+        if count == per_chunk:
+            yield _digest(seed, first, last)
+            count = 0
+    if count:
+        yield _digest(seed, first, last)
+
+
+def _digest(seed: bytes, first_page: bytes, last_page: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in (seed, first_page, last_page):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
 
 
 def _page_hash_bytes(page_hash: str) -> bytes:

@@ -160,16 +160,22 @@ class PagedKVLayout:
         return self.plane_strides[plane] if self.plane_strides else (self.token_stride, self.element_size)
 
     @property
+    def engine_format(self) -> str:
+        """The engine's format this layout describes: ``format`` without what kvstrata added after a ``+`` (an
+        engine placement's registration area is ``<engine format>+registration``)."""
+        return self.format.split("+")[0]
+
+    @property
     def moves_pages(self) -> bool:
         """Whether this layout moves an engine's pages as opaque rows (a format named ``...-pages``) instead of
         kvstrata's per-token ``[kv, layer, token, head, bytes]``: its objects hold that engine's own packing."""
-        return self.format.split("+")[0].endswith(PAGES_SUFFIX)
+        return self.engine_format.endswith(PAGES_SUFFIX)
 
     def object_form(self) -> str:
         """What an object's bytes mean beyond its shape, part of every chunk's key (``CacheKey.dtype``): the
         dtype for a per-token layout, which every engine of the same model and dtype shares; the format for
         one that moves pages, whose bytes only an engine packing them alike can read."""
-        return self.format.split("+")[0] if self.moves_pages else self.dtype
+        return self.engine_format if self.moves_pages else self.dtype
 
     # --- checks --------------------------------------------------------------------
 

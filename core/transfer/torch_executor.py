@@ -16,6 +16,10 @@ from kvstrata.core.transfer.layouts import PagedKVLayout
 from kvstrata.core.transfer.planner import TransferJob
 
 
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer type a plane's elements are copied as, by element size (their bits move unchanged)."""
+
+
 def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: int, plane: int) -> torch.Tensor:
     """The ``[blocks, block_size, heads, head_bytes]`` uint8 view of one layer's K or V plane; for a plane whose
     elements are not side by side (``PagedKVLayout.plane_strides``), ``[blocks, block_size, heads, elements]``
@@ -35,10 +39,6 @@ def plane_view(regions: Sequence[torch.Tensor], layout: PagedKVLayout, layer: in
                             (layout.block_stride // es, token_stride // es, layout.head_stride // es,
                              element_stride // es),
                             words.storage_offset() + off // es)
-
-
-WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer type a plane's elements are copied as, by element size (their bits move unchanged)."""
 
 
 def fitted(rows: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:

@@ -115,10 +115,10 @@ def test_a_layout_moving_an_engines_pages_is_keyed_by_its_format_a_per_token_one
 
     buf = torch.zeros(L * NB * H * BS * 4, dtype=torch.int32)
     kv = {f"model.layers.{l}.self_attn.attn": buf.view(L, NB, H, BS, 4)[l] for l in range(L)}
-    pages, _ = cpu_page_layout(kv, "vec-float32")
-    assert pages.moves_pages and pages.object_form() == "vllm-cpu-vec-float32-pages"
+    pages, _ = cpu_page_layout(kv, "vec")
+    assert pages.moves_pages and pages.object_form() == "vllm-cpu-vec-int32-pages"
     registration = dataclasses.replace(pages, format=pages.format + "+registration")  # engine placement's area
-    assert registration.object_form() == "vllm-cpu-vec-float32-pages"
+    assert registration.object_form() == "vllm-cpu-vec-int32-pages"
     per_token = vllm_layout(num_layers=1, num_blocks=1, block_size=1, num_heads=1, head_size=4, dtype="bfloat16",
                             region=Region("local", 16), physical="LBNHC")
     assert not per_token.moves_pages and per_token.object_form() == "bfloat16"
