@@ -53,7 +53,8 @@ import torch
 from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
-from kvstrata.native.load_issuer import IssuedSlice, LoadIssuer
+from kvstrata.native.load_issuer import (OP_COPY, OP_MARK, OP_MEMCPY2D, OP_RECORD_EVENT, OP_WAIT_EVENT, IssuedSlice,
+                                         LoadIssuer)
 
 log = logging.getLogger(__name__)
 
@@ -651,25 +652,43 @@ class CudaExecutor:
 
     def _piece_jobs(self, job: TransferJob, first: int, count: int, stage_base: int,
                     to_device: bool) -> tuple[int, int, Any]:
-        """Copy-engine jobs for one piece, as (host address of the ``[n, 6]`` rows, n, what keeps them alive).
+        """Copy-engine jobs for one piece, as (host address of the ``[n, 6]`` rows, n, what keeps them alive): the
+        piece's template (:meth:`_dma_template`) moved to layer ``first`` and staging at ``stage_base``. The usual
+        case, objects back to back, is one row of plain integers packed into the engine's row buffer (call under
+        ``_stage_lock``): numpy's array set-up costs tens of microseconds on a cold path to the first copy."""
+        template, shift = self._dma_template(job, count, to_device)
+        if isinstance(template, tuple):
+            e = self.engine
+            d, dp, src, sp, w, h = template
+            row = (d + stage_base, dp, src + first * shift, sp, w, h) if to_device else \
+                (d + first * shift, dp, src + stage_base, sp, w, h)
+            struct.pack_into("<6q", e._job_row, 0, *row)
+            return e._job_row_addr, 1, None
+        jobs = template.copy()
+        host_col, stage_col = (2, 0) if to_device else (0, 2)
+        jobs[:, host_col] += first * shift
+        jobs[:, stage_col] += stage_base
+        return jobs.ctypes.data, len(jobs), jobs
 
-        When every copy is a whole object of one size, a piece's jobs are those of
-        the piece at layer 0 shifted on the host side, so they are planned once per
-        job. The usual case, objects back to back, is one row of plain integers
-        packed into the engine's row buffer (call under ``_stage_lock``): numpy's
-        array set-up costs tens of microseconds on a cold path to the first copy.
-        """
-        self._bind(job)
-        if not self._uniform:
-            jobs = plan_dma(self._object_runs(job, first, count, stage_base, to_device))
-            return jobs.ctypes.data, len(jobs), jobs
+    def _dma_template(self, job: TransferJob, count: int, to_device: bool) -> tuple[Any, Any]:
+        """The copy-engine jobs of a piece of ``count`` layers at layer 0 with staging at 0, and how far each job's
+        host side moves per layer (an int, or one per job): the piece at layer ``first`` is the template with
+        ``first`` times that added on the host side. Planned once per transfer and piece size.
+
+        When every copy is a whole object of one size and the objects sit back to back, the template is one packed
+        2D job (a tuple); otherwise the jobs :func:`plan_dma` folds the piece's (object, plane) ranges into, folded
+        per object size, since a layer moves an object of ``T`` tokens ``T`` rows further."""
         key = ("dma", count, to_device)
-        template = self._tables.get(key)
-        if template is None:
-            template = self._back_to_back_template(job, count, to_device)
+        hit = self._tables.get(key)
+        if hit is not None:
+            return hit
+        self._bind(job)
+        lay, row = self.engine.layout, self.engine.row_bytes
+        if self._uniform:
+            template: Any = self._back_to_back_template(job, count, to_device)
             if template is None:
                 # rows of the piece at layer 0, in (copy, plane) order, computed at C speed
-                lay, row, T = self.engine.layout, self.engine.row_bytes, self._uniform
+                T = self._uniform
                 first_tok = np.asarray(self._first, dtype=np.int64)[:, None]
                 host = np.asarray([self._obj_host[c.object_index] for c in job.copies], dtype=np.int64)[:, None]
                 k = np.arange(lay.kv_size, dtype=np.int64)[None, :]
@@ -680,20 +699,18 @@ class CudaExecutor:
                     (src.reshape(-1), stage.reshape(-1))
                 rows[:, 2] = count * T * row
                 template = plan_dma(rows)
-            self._tables[key] = template
-        shift = first * self._uniform * self.engine.row_bytes
-        if isinstance(template, tuple):
-            e = self.engine
-            d, dp, src, sp, w, h = template
-            row = (d + stage_base, dp, src + shift, sp, w, h) if to_device else \
-                (d + shift, dp, src + stage_base, sp, w, h)
-            struct.pack_into("<6q", e._job_row, 0, *row)
-            return e._job_row_addr, 1, None
-        jobs = template.copy()
-        host_col, stage_col = (2, 0) if to_device else (0, 2)
-        jobs[:, host_col] += shift
-        jobs[:, stage_col] += stage_base
-        return jobs.ctypes.data, len(jobs), jobs
+            hit = (template, self._uniform * row)
+        else:
+            rows = np.asarray(self._object_runs(job, 0, count, 0, to_device), dtype=np.int64).reshape(-1, 3)
+            sizes = [self._obj_tokens[c.object_index] for c in job.copies]
+            per_row = np.repeat(np.asarray(sizes, dtype=np.int64) * row,
+                                [lay.kv_size if c.num_tokens == T else lay.kv_size * count
+                                 for c, T in zip(job.copies, sizes)])
+            parts = [(plan_dma(rows[per_row == step]), step) for step in np.unique(per_row).tolist()]
+            hit = (np.concatenate([jobs for jobs, _ in parts]),
+                   np.concatenate([np.full(len(jobs), step, dtype=np.int64) for jobs, step in parts]))
+        self._tables[key] = hit
+        return hit
 
     def _back_to_back_template(self, job: TransferJob, count: int,
                                to_device: bool) -> tuple[int, int, int, int, int, int] | None:
@@ -784,6 +801,69 @@ class CudaExecutor:
                 self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
                 e.ext.event_record(e._idle_h[b], kernel_s)
                 e._used[b] = True
+
+    def scatter_slices(self, job: TransferJob, slices: Sequence[tuple[int, int]],
+                       events: Sequence[int]) -> list[list[int]]:
+        """Inside a :class:`~kvstrata.native.load_issuer.LoadIssuer` program: enqueue each ``(layer_start,
+        layer_count)`` slice, each followed by a record of its event (a raw handle) and a mark; returns the marks'
+        cells (see :class:`~kvstrata.native.load_issuer.IssuedSlice`).
+
+        In staged mode the ops :meth:`scatter` would record slice by slice are written straight into one part of
+        the program, a few integer operations per staging piece, so that a load's slices cost its planning thread
+        about as much as one slice. Elsewhere (kernel mode, hybrid layouts, direct copies) slice by slice."""
+        e, lay, issuer = self.engine, self.engine.layout, self.engine.ext
+        kernel_s = e.stream.cuda_stream
+        if (e.config.mode != "staged" or lay.is_hybrid or not job.copies
+                or self._direct_runs(job, *slices[0]) is not None):
+            cells = []
+            for (start, count), event in zip(slices, events):
+                self.scatter(job, start, count)
+                issuer.event_record(event, kernel_s)
+                cells.append(issuer.mark())
+            return cells
+        n_tok = self._bind(job)
+        per_layer = lay.kv_size * n_tok * e.row_bytes
+        copy_s = e.copy_stream.cuda_stream
+        pieces = [self._pieces(start, count, per_layer) for start, count in slices]
+        counts = sorted({count for piece in pieces for _, count in piece})
+        templates = {count: self._dma_template(job, count, True) for count in counts}
+        tables = {count: self._table(job, 0, count) for count in counts}  # recorded before the scatters read them
+        # the scatter launch's arguments (see _launch) after its staging address, up to its layer offset, and after
+        scatter_head = (OP_COPY, 18, 1, e.planes.data_ptr())
+        scatter_shape = (n_tok, lay.kv_size, lay.num_layers)
+        scatter_tail = (e.row_bytes, lay.head_bytes, lay.head_stride)
+        words: list[int] = []
+        with e._stage_lock:
+            n_buffers = len(e._used)
+            stages = [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)]
+            for piece, event in zip(pieces, events):
+                for first, count in piece:
+                    b = e._piece % n_buffers
+                    e._piece += 1
+                    template, shift = templates[count]
+                    if isinstance(template, tuple):
+                        d, dp, src, sp, w, h = template
+                        rows, n_rows = [d + stages[b], dp, src + first * shift, sp, w, h], 1
+                    else:
+                        jobs = template.copy()
+                        jobs[:, 0] += stages[b]
+                        jobs[:, 2] += first * shift
+                        rows, n_rows = jobs.ravel().tolist(), len(jobs)
+                    if e._used[b]:  # the copy stream waits until whatever used this buffer last is done
+                        words += (OP_WAIT_EVENT, 2, copy_s, e._idle_h[b])
+                    words += (OP_MEMCPY2D, 2 + 6 * n_rows, copy_s, n_rows)
+                    words += rows
+                    words += (OP_RECORD_EVENT, 2, e._filled_h[b], copy_s, OP_WAIT_EVENT, 2, kernel_s, e._filled_h[b])
+                    table, vec = tables[count]
+                    words += scatter_head
+                    words += (table, stages[b])
+                    words += scatter_shape
+                    words += (first, count, count, 0)
+                    words += scatter_tail
+                    words += (vec, e.max_ctas, e.index, kernel_s, OP_RECORD_EVENT, 2, e._idle_h[b], kernel_s)
+                    e._used[b] = True
+                words += (OP_RECORD_EVENT, 2, event, kernel_s, OP_MARK, 1, 0)
+        return issuer.record_ops(np.asarray(words, dtype=np.int64), len(slices))
 
     def _gather_staged(self, job: TransferJob) -> None:
         """Engine -> staging (kernel stream) -> pinned L1 (copy stream), double-buffered across calls.
@@ -932,6 +1012,21 @@ class CudaLocalCopier:
         with self.issuer.program():  # the slice's own program (joined), or one of its own if called outside
             self.issuer.event_record(event.cuda_event, e.stream.cuda_stream)
             return IssuedSlice(self.issuer, self.issuer.mark(), event)
+
+    def enqueue_slices(self, executor: Any, job: TransferJob,
+                       slices: Sequence[tuple[int, int]]) -> "list[IssuedSlice | torch.cuda.Event]":
+        """Plan ``slices`` of a load and hand them to the native thread as one program (see
+        :meth:`CudaExecutor.scatter_slices`); each slice's completion, in order."""
+        if self.issuer is None:  # torch mode: the copies are enqueued as they are planned
+            completions = []
+            for start, count in slices:
+                executor.scatter(job, start, count)
+                completions.append(self.mark_slice(executor))
+            return completions
+        events = [self.engine._event() for _ in slices]
+        with self.issuer.program():
+            cells = executor.scatter_slices(job, slices, [event.cuda_event for event in events])
+        return [IssuedSlice(self.issuer, cell, event) for cell, event in zip(cells, events)]
 
     def finish(self, last_completion: "IssuedSlice | torch.cuda.Event | None") -> None:
         if last_completion is not None:

@@ -106,6 +106,15 @@ class LoadIssuer:
         program.parts.append(np.asarray([OP_MARK, 1, 0], dtype=np.int64))
         return cell
 
+    def record_ops(self, words: np.ndarray, marks: int) -> list[list[int]]:
+        """Inside a program: append ops already encoded as ``op, n_args, args...`` words (checked when the program
+        is submitted), ``marks`` of them MARK ops; returns those marks' cells, in order (see :meth:`mark`)."""
+        program = self._current()
+        cells = [[0] for _ in range(marks)]
+        program.marks.extend(cells)
+        program.parts.append(words)
+        return cells
+
     def flush(self) -> None:
         """Submit what this thread recorded so far and wait until it is issued (before memory those ops use may
         be freed); a no-op outside a program."""

@@ -41,6 +41,13 @@ class LocalCopier(Protocol):
         """Block the calling (transfer) thread until the slice ``last_completion`` marks has run, and with it
         every slice enqueued before it (then the locks may go). None: nothing is pending."""
 
+    # Optional (a copier whose slices are issued by a native thread):
+    #   def enqueue_slices(self, executor, job, slices: Sequence[tuple[int, int]]) -> list[Any]
+    # plans every (layer_start, layer_count) slice of a load at once and hands them over as one program; returns
+    # each slice's completion, as mark_slice would. The queue then plans a load's first slice alone (issued at
+    # once) and the rest in one call, instead of a program per slice. Without it, the queue goes slice by slice
+    # (on the CPU a slice's copies run in its call, and a failure between slices stops the rest).
+
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> Any:
         """STORE: copy the cache's blocks into reserved pool objects given as (byte offset, tokens, first
         position), after what the engine has queued so far (its forward's writes), without making the engine

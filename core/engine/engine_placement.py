@@ -44,6 +44,12 @@ from kvstrata.core.wire.protocol import RequestType
 log = logging.getLogger(__name__)
 
 
+class EngineLoad(InFlight):
+    """A load this process copies: its place in the transfer queue."""
+
+    load: QueuedLoad | None = None
+
+
 class EnginePlacement(Placement):
     name = PLACEMENT_ENGINE
     reserves_ahead = True
@@ -114,8 +120,10 @@ class EnginePlacement(Placement):
             reply = Future()
             reply.set_exception(exc)
         reply.add_done_callback(lambda _, r=record: setattr(r, "replied_at", time.perf_counter()))
-        fut = self._queue.submit(QueuedLoad(key, blocks, skip, width, gate, record, reply))
-        return InFlight(request_id, blocks, fut, gate, width, record)
+        load = QueuedLoad(key, blocks, skip, width, gate, record, reply)
+        inflight = EngineLoad(request_id, blocks, self._queue.submit(load), gate, width, record)
+        inflight.load = load
+        return inflight
 
     def _locate(self, key: CacheKey, blocks: BlockTable, skip: int, located: ChunkLocations | None,
                 record: RetrieveRecord) -> Future:
@@ -133,8 +141,15 @@ class EnginePlacement(Placement):
         record.located_by = "retrieve"
         return self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
 
+    def _complete_without_reply(self, inf: InFlight) -> bool:
+        return isinstance(inf, EngineLoad) and self._queue.landed_and_checked(inf.load)
+
     def _copy_may_write(self, inf: InFlight) -> bool:
         return not inf.future.done()
+
+    def _settled(self, inf: InFlight, board_complete: bool) -> None:
+        if board_complete and isinstance(inf, EngineLoad):  # settled here, before the queue's thread got to it
+            self._queue.free_locks(inf.load)
 
     # --- the server's pool -----------------------------------------------------------
 

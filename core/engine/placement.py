@@ -265,8 +265,10 @@ class Placement(ABC):
         """Send the load on its way (returns at once) and say how its progress and end are observed."""
 
     def _complete_without_reply(self, inf: InFlight) -> bool:
-        """Whether ``inf``'s transfer is known complete before its future resolved (server placement: the
-        arrival board's last word); False by default."""
+        """Whether ``inf``'s transfer is known complete before its future resolved, seen from the engine's thread
+        (server placement: the arrival board's last word; engine placement: the last slice's copies ran and read
+        what the LOOKUP locked). A future is resolved by another thread, which an engine thread that stays in
+        Python lets run only every switch interval; False by default."""
         return False
 
     def _copy_may_write(self, inf: InFlight) -> bool:
@@ -317,9 +319,9 @@ class Placement(ABC):
             self._failed[inf.request_id] = (inf.block_ids.as_lists(), inf.record.failure or "failed")
         if not done:
             if self._complete_without_reply(inf):
-                # Every layer landed (published after the copies finished, and the last
-                # thing the server writes to the slot): settle without the reply.
-                inf.refresh()
+                # Every layer landed: settle without waiting for the future (see _complete_without_reply).
+                if inf.refresh is not None:
+                    inf.refresh()
                 inf.record.completed_at = time.perf_counter()
                 self._settle(inf, board_complete=True)
                 return

@@ -83,6 +83,7 @@ class ServerPlacement(Placement):
             load.board_seen = start + count
 
     def _complete_without_reply(self, inf: InFlight) -> bool:
+        # every layer landed: published after the copies finished, the last thing the server writes to the slot
         return isinstance(inf, ServerLoad) and inf.slot is not None and inf.slot.progress().complete
 
     def _settled(self, inf: InFlight, board_complete: bool) -> None:

@@ -17,16 +17,21 @@ Two threads, so that enqueuing never waits for a copy to finish:
   thread would make its copies wait until the interpreter lets that thread run: up to
   a switch interval, 5 ms, each time, while the engine's thread stays in Python).
   Otherwise ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply
-  (sent from the engine's thread at submit), plans it, and plans its slices one after another
-  without waiting in between: each inside the copier's ``slice_program``, which on
-  a GPU hands the slice's driver calls to the copier's native thread in one call
-  (``kvstrata.native.load_issuer``), so no Python thread has to run again for the
-  slice to reach the GPU. Each slice's completion goes to the load's gate as soon
-  as it is planned (on a GPU an event the engine's stream waits on once it is
-  issued; on the CPU the copy has run).
+  (sent from the engine's thread at submit) and plans it. A load's first slice is planned
+  alone, inside the copier's ``slice_program``, which on a GPU hands its driver calls to
+  the copier's native thread in one call (``kvstrata.native.load_issuer``), so it is on
+  its way before anything else is planned; the rest follow in one program (the copier's
+  ``enqueue_slices``), planned at a few integer operations a slice. Once handed over, no
+  Python thread has to run for the slices to reach the GPU. Each slice's completion goes
+  to the load's gate (on a GPU an event the engine's stream waits on once it is issued;
+  on the CPU, where slices are planned one by one, the copy has run).
 * ``kvstrata-transfer-settle`` waits, load by load, until what was enqueued for it
   has run, then frees the server's locks and resolves the load's future: only then
-  may the engine free or recompute into its blocks.
+  may the engine free or recompute into its blocks. The engine's thread may see it
+  first (:meth:`TransferQueue.landed_and_checked`, when it polls) and settle the load
+  itself: an engine thread that stays in Python hands the GIL to another thread only
+  every switch interval, and each of the settle thread's steps that let go of it
+  would wait that long again.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class QueuedLoad:
     """The pool's generation table (read-only words)."""
     landed: Any = None
     """The pool's landed words (read-only): how many leading layers of each object are in the pool."""
+    locks_freed: bool = False
+    """FREE_LOOKUP_LOCKS was sent for it (:meth:`TransferQueue.free_locks`)."""
     filling: bool = False
     """Some object it copies from was still filling from the shared tier when it was located: each slice
     waits for its layers to land (:meth:`TransferQueue._wait_landed`)."""
@@ -128,6 +135,7 @@ class TransferQueue:
         self._pending: deque[QueuedLoad | None] = deque()
         """Loads submitted and not planned yet, in submission order (None: closing)."""
         self._pending_cond = threading.Condition()
+        self._free_lock = threading.Lock()
         self._planning = threading.Lock()
         """Held while a load is planned, by whichever thread plans it: loads are planned one at a time, in order."""
         self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
@@ -157,6 +165,29 @@ class TransferQueue:
             self._pending_cond.notify()
         self._enqueue_thread.join()
         self._settle_thread.join()
+
+    def landed_and_checked(self, load: QueuedLoad) -> bool:
+        """Whether every slice of ``load`` was enqueued, has run and read the objects its LOOKUP locked: then the
+        engine may settle it from its own thread (:meth:`Placement._complete_without_reply`), without waiting for
+        the settle thread, which still frees the locks and resolves the future. Never blocks."""
+        if load.error is not None or load.record.last_slice_at is None:
+            return False
+        if load.last_completion is not None and not self._landed(load.last_completion):
+            return False
+        return load.generations is None or generations_unchanged(load.generations, load.sources)
+
+    def free_locks(self, load: QueuedLoad) -> None:
+        """Send FREE_LOOKUP_LOCKS for ``load`` unless already sent: by the settle thread, or first by the engine's
+        thread when it settles the load itself, so that what the engine sends after it sees the load settled
+        reaches the server after the free."""
+        with self._free_lock:
+            if load.locks_freed:
+                return
+            load.locks_freed = True
+        try:
+            self.client.transport.submit(RequestType.FREE_LOOKUP_LOCKS, [load.request_id])
+        except Exception:  # the server being gone is reported by the load itself
+            pass
 
     # --- the enqueue thread ----------------------------------------------------------
 
@@ -231,10 +262,14 @@ class TransferQueue:
         load.record.planned_at = time.perf_counter()
 
     def _enqueue_slices(self, load: QueuedLoad) -> None:
-        """Plan every slice of ``load``, one after another, each handed to the copier as one program; record each
-        slice's completion in the gate as it is planned."""
+        """Plan the slices of ``load``: its first alone, then the rest in one program where the copier can
+        (``enqueue_slices``), else one by one; record each slice's completion in the gate as it is planned."""
         observer = self._slice_observer
+        enqueue_rest = getattr(load.copier, "enqueue_slices", None)
         for index, (start, count) in enumerate(load.slices):
+            if index == 1 and enqueue_rest is not None and not load.filling and not self._observer_active():
+                self._enqueue_rest(load, enqueue_rest)
+                return
             try:
                 if index == 0 and observer is not None:
                     observer(load.request_id, 0)  # outside any program: an observer may block (a test's hold)
@@ -255,6 +290,22 @@ class TransferQueue:
             except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
                 self._stop(load, exc)
                 return
+        load.record.last_slice_at = time.perf_counter()
+
+    def _enqueue_rest(self, load: QueuedLoad, enqueue_slices: Callable[..., list[Any]]) -> None:
+        """Plan every slice of ``load`` after its first in one program (the copier's ``enqueue_slices``): its first
+        slice already went to the GPU alone, so it is not held up by the planning of the others."""
+        rest = load.slices[1:]
+        try:
+            if load.gate.failure:
+                raise TransferAborted(load.gate.failure)
+            completions = enqueue_slices(load.executor, load.job, rest)
+        except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
+            self._stop(load, exc)
+            return
+        for (start, count), completion in zip(rest, completions):
+            load.gate.record_slice(start, count, completion)
+        load.last_completion = completions[-1]
         load.record.last_slice_at = time.perf_counter()
 
     def _wait_landed(self, load: QueuedLoad, layers: int) -> None:
@@ -305,10 +356,7 @@ class TransferQueue:
                 close = getattr(load.executor, "close", None)
                 if close is not None:
                     close()
-                try:
-                    self.client.transport.submit(RequestType.FREE_LOOKUP_LOCKS, [load.request_id])
-                except Exception:  # the server being gone is reported by the load itself
-                    pass
+                self.free_locks(load)
             if load.error is not None:
                 load.future.set_exception(load.error)
             else:
