@@ -245,13 +245,14 @@ def main() -> int:
     p.add_argument("--arms", default="fetch,store,concurrent",
                    help="which measurements: fetch, store, concurrent (any of them, comma-separated)")
     p.add_argument("--hosts", default="1,2,4", help="concurrent: how many hosts fill at once, per cell")
+    p.add_argument("--nodes", type=int, default=3, help="primaries of the Valkey cluster on this machine")
     p.add_argument("--out")
     args = p.parse_args()
     arms = set(args.arms.split(","))
     from kvstrata_testing.valkey_cluster import ValkeyCluster
 
-    with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"),
-                       maxmemory=f"{int(4 * args.gib * 1024) + 512}mb") as cluster:
+    with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"), nodes=args.nodes,
+                       maxmemory=f"{int(12 * args.gib * 1024) // args.nodes + 512}mb") as cluster:
         fetch = store = None
         if "fetch" in arms:
             fetch = fetch_arms(cluster, args.gib, args.chunk, args.reps)

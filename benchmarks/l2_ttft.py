@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--format", default="vllm-LBNHC", choices=ttft.ENGINE_FORMATS)
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(ttft.SHAPES))
+    p.add_argument("--nodes", type=int, default=3, help="primaries of the Valkey cluster on this machine")
     p.add_argument("--out")
     args = p.parse_args()
     from provenance import measured_commit
@@ -122,8 +123,8 @@ def main() -> int:
         "benchmark": "l2_ttft", "device": device_info(),
         "commit": measured_commit(),
         "config": {**vars(args), "model": s.describe(), "prefix_bytes": request_bytes, "pool_bytes": pool}}
-    with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"),
-                       maxmemory=f"{(n * request_bytes * 3 // 2 >> 20) // 3 + 512}mb") as cluster:
+    with ValkeyCluster(tempfile.mkdtemp(prefix="kvstrata-bench-valkey-"), nodes=args.nodes,
+                       maxmemory=f"{(n * request_bytes * 3 // 2 >> 20) // args.nodes + 512}mb") as cluster:
         tier = ["--l2", cluster.addresses, "--l2-write-queue", f"{2 * request_bytes >> 20}M"]
         with ServerProcess(l1_bytes=pool, chunk_size=args.chunk, extra_args=tier) as a, \
                 ServerProcess(l1_bytes=pool, chunk_size=args.chunk, extra_args=tier) as b:

@@ -15,12 +15,17 @@ client's own TLS setup is used for every read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvstrata.core.store.l2.backend import TierUnavailable
 from kvstrata.core.store.l2.value import MissReason, TierKey, TierMiss, decode, expected_header, payload_checksum_of
+
+
+READ_THREADS = 15
+"""Threads receiving replies beside the caller's: one per node of a batch but the first, up to this many."""
 
 
 @dataclass
@@ -103,6 +108,8 @@ class DirectReader:
         self.username = username
         self.password = password
         self._nodes: dict[tuple[str, int], _Node] = {}
+        self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS,
+                                                              thread_name_prefix="kvstrata-l2-read")
 
     def _node(self, where: tuple[str, int]) -> _Node:
         node = self._nodes.get(where)
@@ -118,12 +125,24 @@ class DirectReader:
         for i, (name, _, _) in enumerate(items):
             by_node.setdefault(self.node_of(name), []).append(i)
         try:
-            for where, indices in by_node.items():
-                self._node(where).sock.sendall(b"".join(command("GET", items[i][0]) for i in indices))
-            for where, indices in by_node.items():
-                node = self._node(where)
-                for i in indices:
-                    self._read_one(node, items[i][1], items[i][2], outcomes[i])
+            nodes = [(self._node(where), indices) for where, indices in by_node.items()]
+            for node, indices in nodes:
+                node.sock.sendall(b"".join(command("GET", items[i][0]) for i in indices))
+            # Each node's replies on a thread of their own: one thread receiving them node after node left the
+            # other nodes waiting on full socket buffers (a node sends from one thread; receiving releases the
+            # GIL).
+            reads = [self._readers.submit(self._read_all, node, indices, items, outcomes) for node, indices in nodes[1:]]
+            errors = []
+            try:
+                self._read_all(nodes[0][0], nodes[0][1], items, outcomes)
+            except Exception as exc:  # noqa: BLE001 - reported below, once the other nodes' reads ended
+                errors.append(exc)
+            for read in reads:
+                exc = read.exception()  # each read ends: a node's socket has a timeout
+                if exc is not None:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
         except Exception as exc:  # noqa: BLE001 - a socket, a reply we cannot parse: the connections are out of step
             for where in by_node:  # whatever they still owe is lost with them
                 node = self._nodes.pop(where, None)
@@ -131,6 +150,11 @@ class DirectReader:
                     node.close()
             raise TierUnavailable(f"reading {len(items)} values: {exc}") from None
         return outcomes
+
+    def _read_all(self, node: _Node, indices: list[int], items: Sequence[tuple[str, TierKey, memoryview]],
+                  outcomes: list[Outcome]) -> None:
+        for i in indices:
+            self._read_one(node, items[i][1], items[i][2], outcomes[i])
 
     def _read_one(self, node: _Node, key: TierKey, data: memoryview, outcome: Outcome) -> None:
         line = node.line()
@@ -187,6 +211,7 @@ class DirectReader:
         return TierMiss.other("it differs from the expected value of its key")
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         for node in self._nodes.values():
             node.close()
         self._nodes.clear()
