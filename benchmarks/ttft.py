@@ -814,7 +814,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                      args.concurrency_new))
                         fres["concurrency"][str(conc)] = {
                             name: {"ttft_ms": summarize([t for r in rs for t in r["ttft_ms"]]),
-                                   "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs]}
+                                   "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs],
+                                   # how the engine batched the released requests, per rep: (requests, start, end)
+                                   "steps_per_rep": [[(st["requests"], round(st["start_ms"], 2), round(st["end_ms"], 2))
+                                                      for st in r["steps"]] for r in rs],
+                                   **({"release_ms_per_rep": [[round(t, 2) for t in r["release_ms"]] for r in rs],
+                                       "transfer_ms_per_rep": [[round(t, 2) for t in r["transfer_ms"]] for r in rs]}
+                                      if "release_ms" in rs[0] else {})}
                             for name, rs in runs.items()}
                     note_copiers(rig)
                     fres["elapsed_s"] = round(time.perf_counter() - t_fmt, 1)
