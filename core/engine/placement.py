@@ -251,7 +251,8 @@ class Placement(ABC):
     def _transfer_ended(self, future: Future, record: RetrieveRecord, alone: bool) -> None:
         """Note when a transfer ended; one that had the copies to itself from submit to end and succeeded tells
         the slice-width model its copy rate."""
-        record.transfer_ended_at = time.perf_counter()
+        if record.transfer_ended_at is None:  # else the engine's thread saw it end first
+            record.transfer_ended_at = time.perf_counter()
         if alone and future.exception() is None:
             # no lock: this runs on the thread that settles transfers, which the engine's thread may be waiting on
             others = list(self._inflight.values())
@@ -323,6 +324,8 @@ class Placement(ABC):
                 if inf.refresh is not None:
                     inf.refresh()
                 inf.record.completed_at = time.perf_counter()
+                if inf.record.transfer_ended_at is None:  # seen before the future resolved: the earlier time
+                    inf.record.transfer_ended_at = inf.record.completed_at
                 self._settle(inf, board_complete=True)
                 return
             if time.perf_counter() - inf.record.submitted_at > self.retrieve_timeout:
