@@ -656,19 +656,27 @@ class CudaExecutor:
         piece's template (:meth:`_dma_template`) moved to layer ``first`` and staging at ``stage_base``. The usual
         case, objects back to back, is one row of plain integers packed into the engine's row buffer (call under
         ``_stage_lock``): numpy's array set-up costs tens of microseconds on a cold path to the first copy."""
+        jobs = self._piece_rows(job, first, count, stage_base, to_device)
+        if isinstance(jobs, tuple):
+            e = self.engine
+            struct.pack_into("<6q", e._job_row, 0, *jobs)
+            return e._job_row_addr, 1, None
+        return jobs.ctypes.data, len(jobs), jobs
+
+    def _piece_rows(self, job: TransferJob, first: int, count: int, stage_base: int,
+                    to_device: bool) -> "tuple[int, int, int, int, int, int] | np.ndarray":
+        """The ``dst, dpitch, src, spitch, width, height`` jobs of one piece: its template moved to layer ``first``
+        on the host side and to ``stage_base`` on the staging side; one tuple where the template is one."""
         template, shift = self._dma_template(job, count, to_device)
         if isinstance(template, tuple):
-            e = self.engine
             d, dp, src, sp, w, h = template
-            row = (d + stage_base, dp, src + first * shift, sp, w, h) if to_device else \
+            return (d + stage_base, dp, src + first * shift, sp, w, h) if to_device else \
                 (d + first * shift, dp, src + stage_base, sp, w, h)
-            struct.pack_into("<6q", e._job_row, 0, *row)
-            return e._job_row_addr, 1, None
         jobs = template.copy()
         host_col, stage_col = (2, 0) if to_device else (0, 2)
         jobs[:, host_col] += first * shift
         jobs[:, stage_col] += stage_base
-        return jobs.ctypes.data, len(jobs), jobs
+        return jobs
 
     def _dma_template(self, job: TransferJob, count: int, to_device: bool) -> tuple[Any, Any]:
         """The copy-engine jobs of a piece of ``count`` layers at layer 0 with staging at 0, and how far each job's
@@ -826,7 +834,6 @@ class CudaExecutor:
         copy_s = e.copy_stream.cuda_stream
         pieces = [self._pieces(start, count, per_layer) for start, count in slices]
         counts = sorted({count for piece in pieces for _, count in piece})
-        templates = {count: self._dma_template(job, count, True) for count in counts}
         tables = {count: self._table(job, 0, count) for count in counts}  # recorded before the scatters read them
         # the scatter launch's arguments (see _launch) after its staging address, up to its layer offset, and after
         scatter_head = (OP_COPY, 18, 1, e.planes.data_ptr())
@@ -840,15 +847,8 @@ class CudaExecutor:
                 for first, count in piece:
                     b = e._piece % n_buffers
                     e._piece += 1
-                    template, shift = templates[count]
-                    if isinstance(template, tuple):
-                        d, dp, src, sp, w, h = template
-                        rows, n_rows = [d + stages[b], dp, src + first * shift, sp, w, h], 1
-                    else:
-                        jobs = template.copy()
-                        jobs[:, 0] += stages[b]
-                        jobs[:, 2] += first * shift
-                        rows, n_rows = jobs.ravel().tolist(), len(jobs)
+                    jobs = self._piece_rows(job, first, count, stages[b], to_device=True)
+                    rows, n_rows = (jobs, 1) if isinstance(jobs, tuple) else (jobs.ravel().tolist(), len(jobs))
                     if e._used[b]:  # the copy stream waits until whatever used this buffer last is done
                         words += (OP_WAIT_EVENT, 2, copy_s, e._idle_h[b])
                     words += (OP_MEMCPY2D, 2 + 6 * n_rows, copy_s, n_rows)
