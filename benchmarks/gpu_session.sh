@@ -48,7 +48,7 @@ if [[ ",$phases," == *",l2,"* ]]; then
   grep -v WARNING "$out/l2.txt" | tail -12
 fi
 if [[ ",$phases," == *",sweep,"* ]]; then
-  bash benchmarks/ttft_sweep.sh "$out/sweep" "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.1-70b-tp8,qwen2.5-7b}" \
+  bash benchmarks/ttft_sweep.sh "$out/sweep" "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.1-70b-tp8,qwen2.5-7b,deepseek-v2-lite}" \
     "${SWEEP_PREFIXES:-6144,30720}" "${SWEEP_LOOPS:-sleep,spin}" || rc=1
   python3 benchmarks/ttft_sweep_table.py "$out/sweep" --out "$out/sweep/table.md" > /dev/null || rc=1
   head -c 6000 "$out/sweep/table.md"

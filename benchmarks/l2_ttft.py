@@ -99,7 +99,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--format", default="vllm-LBNHC", choices=ttft.ENGINE_FORMATS)
-    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(ttft.SHAPES))
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(k for k, v in ttft.SHAPES.items() if not v.mla))
     p.add_argument("--nodes", type=int, default=3, help="primaries of the Valkey cluster on this machine")
     p.add_argument("--out")
     args = p.parse_args()
@@ -118,7 +118,7 @@ def main() -> int:
     pool = n * request_bytes * 21 // 20 + (1 << 30)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 32000, (args.prefix,), generator=gen).tolist() for _ in range(n)]
-    model = ttft.Decoder(s, torch.device("cuda"))
+    model = ttft.make_decoder(s, torch.device("cuda"))
     result: dict[str, Any] = {
         "benchmark": "l2_ttft", "device": device_info(),
         "commit": measured_commit(),

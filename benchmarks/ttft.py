@@ -149,11 +149,40 @@ class Shapes:
     mlp: int = 14336
     vocab: int = 128256
     block: int = 16
+    mla: bool = False
+    """Multi-head latent attention: the cache holds one latent plane per token (``kv_heads`` 1, ``head`` the
+    latent's width), which attention up-projects to each query head's K and V."""
+    latent: int = 512
+    rope: int = 64
+    nope: int = 128
+    v_head: int = 128
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes a cached token has per layer: K and V, or the one latent of MLA."""
+        return 1 if self.mla else 2
+
+    def cache_format(self, fmt: str) -> str:
+        """The test caches' format for an engine format on this shape (its MLA variant for an MLA model)."""
+        if not self.mla:
+            return fmt
+        if fmt not in MLA_FORMATS:
+            raise ValueError(f"engine format {fmt!r} has no MLA cache among the test caches (MLA: "
+                             f"{', '.join(MLA_FORMATS)})")
+        return MLA_FORMATS[fmt]
 
     def describe(self) -> str:
+        if self.mla:
+            return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} q heads, MLA latent {self.latent}+"
+                    f"{self.rope} rope (one {self.head}-wide plane cached), MLP {self.mlp}, vocab {self.vocab}, "
+                    "bf16 random weights")
         return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} q heads, {self.kv_heads} KV heads x "
                 f"{self.head}, MLP {self.mlp}, vocab {self.vocab}, bf16 random weights")
 
+
+MLA_FORMATS = {"vllm-LBNHC": "vllm-mla", "sglang": "sglang-mla"}
+"""An MLA shape's cache per engine format: vLLM's and SGLang's MLA caches (TensorRT-LLM's MLA pool is not among
+the test caches, so an MLA shape runs without it)."""
 
 SHAPES = {
     "llama-3.1-8b": Shapes(),
@@ -162,9 +191,12 @@ SHAPES = {
     "llama-3.1-70b-tp8": Shapes(layers=80, hidden=8192, heads=8, kv_heads=1, head=128, mlp=3584),
     # a GQA model of another family: Qwen2.5-7B
     "qwen2.5-7b": Shapes(layers=28, hidden=3584, heads=28, kv_heads=4, head=128, mlp=18944, vocab=152064),
+    # an MLA model: DeepSeek-V2-Lite (27 layers, 16 heads, a 512-wide latent plus 64 of rope cached per token);
+    # its mixture of experts computed as one dense MLP of the active experts' width (6 routed + 2 shared x 1408)
+    "deepseek-v2-lite": Shapes(layers=27, hidden=2048, heads=16, kv_heads=1, head=576, mlp=11264, vocab=102400,
+                               mla=True),
 }
-"""``--shape``: the model shapes the benchmark computes (an MLA model is not among them: the GPU caches of the
-test support have no MLA layout yet)."""
+"""``--shape``: the model shapes the benchmark computes."""
 
 
 # --- the engine's compute --------------------------------------------------------------
@@ -181,11 +213,14 @@ class Decoder:
         def w(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dt)
 
-        qkv = (s.heads + 2 * s.kv_heads) * s.head
-        self.layers = [dict(qkv=w(s.hidden, qkv), o=w(s.heads * s.head, s.hidden), gate_up=w(s.hidden, 2 * s.mlp),
-                            down=w(s.mlp, s.hidden)) for _ in range(s.layers)]
+        self.layers = [dict(**self.attention_weights(w), gate_up=w(s.hidden, 2 * s.mlp), down=w(s.mlp, s.hidden))
+                       for _ in range(s.layers)]
         self.lm_head = w(s.hidden, s.vocab)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def attention_weights(self, w: Any) -> dict[str, torch.Tensor]:
+        s = self.s
+        return dict(qkv=w(s.hidden, (s.heads + 2 * s.kv_heads) * s.head), o=w(s.heads * s.head, s.hidden))
 
     def mask(self, prefix: int, new: int, device: torch.device) -> torch.Tensor:
         """New token i attends to the whole prefix and to new tokens 0..i."""
@@ -196,13 +231,20 @@ class Decoder:
             self._masks[key] = j <= prefix + i
         return self._masks[key]
 
-    def layer(self, layer: int, x: torch.Tensor, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
+    def layer(self, layer: int, x: torch.Tensor, prefixes: list[tuple[torch.Tensor, Any]],
               new: int) -> torch.Tensor:
-        """``x``: ``[len(prefixes) * new, hidden]``; ``prefixes``: per request its ``[P, kv_heads, head]`` K and V."""
+        """``x``: ``[len(prefixes) * new, hidden]``; ``prefixes``: per request what :func:`prefix_reader` read."""
         s, p = self.s, self.layers[layer]
+        x = x + self.attend(p, torch.nn.functional.rms_norm(x, (s.hidden,)), prefixes, new)
         h = torch.nn.functional.rms_norm(x, (s.hidden,))
-        qkv = h @ p["qkv"]
-        q, k, v = qkv.split([s.heads * s.head, s.kv_heads * s.head, s.kv_heads * s.head], dim=-1)
+        gate, up = (h @ p["gate_up"]).chunk(2, dim=-1)
+        return x + (torch.nn.functional.silu(gate) * up) @ p["down"]
+
+    def attend(self, p: dict[str, torch.Tensor], h: torch.Tensor, prefixes: list[tuple[torch.Tensor, Any]],
+               new: int) -> torch.Tensor:
+        """Grouped-query attention of each request's new tokens over its ``[P, kv_heads, head]`` K and V."""
+        s = self.s
+        q, k, v = (h @ p["qkv"]).split([s.heads * s.head, s.kv_heads * s.head, s.kv_heads * s.head], dim=-1)
         outs = []
         for r, (pk, pv) in enumerate(prefixes):
             rows = slice(r * new, (r + 1) * new)
@@ -210,23 +252,62 @@ class Decoder:
             kr = torch.cat([pk, k[rows].view(new, s.kv_heads, s.head)]).repeat_interleave(s.heads // s.kv_heads, 1)
             vr = torch.cat([pv, v[rows].view(new, s.kv_heads, s.head)]).repeat_interleave(s.heads // s.kv_heads, 1)
             a = torch.nn.functional.scaled_dot_product_attention(
-                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=self.mask(pk.shape[0], new, x.device))
+                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=self.mask(pk.shape[0], new, h.device))
             outs.append(a[0].transpose(0, 1).reshape(new, s.heads * s.head))
-        x = x + torch.cat(outs) @ p["o"]
-        h = torch.nn.functional.rms_norm(x, (s.hidden,))
-        gate, up = (h @ p["gate_up"]).chunk(2, dim=-1)
-        return x + (torch.nn.functional.silu(gate) * up) @ p["down"]
+        return torch.cat(outs) @ p["o"]
 
     def logits(self, x: torch.Tensor, batch: int, new: int) -> torch.Tensor:
         last = x.view(batch, new, -1)[:, -1]
         return torch.nn.functional.rms_norm(last, (self.s.hidden,)) @ self.lm_head
 
 
+class MlaDecoder(Decoder):
+    """DeepSeek-shaped layers: attention over a cached latent, up-projected per head as an engine's MLA prefill
+    does (K = the latent's up-projection beside the shared rope part, V another up-projection)."""
+
+    def attention_weights(self, w: Any) -> dict[str, torch.Tensor]:
+        s = self.s
+        return dict(q=w(s.hidden, s.heads * (s.nope + s.rope)), kv_a=w(s.hidden, s.latent + s.rope),
+                    kv_b=w(s.latent, s.heads * (s.nope + s.v_head)), o=w(s.heads * s.v_head, s.hidden))
+
+    def attend(self, p: dict[str, torch.Tensor], h: torch.Tensor, prefixes: list[tuple[torch.Tensor, Any]],
+               new: int) -> torch.Tensor:
+        """``prefixes``: per request its ``[P, 1, latent + rope]`` cached latent (and None)."""
+        s = self.s
+        q = (h @ p["q"]).view(-1, s.heads, s.nope + s.rope)
+        latent_new = h @ p["kv_a"]
+        outs = []
+        for r, (prefix_latent, _) in enumerate(prefixes):
+            rows = slice(r * new, (r + 1) * new)
+            latent = torch.cat([prefix_latent[:, 0], latent_new[rows]])  # [T, latent + rope]
+            kv = (latent[:, :s.latent] @ p["kv_b"]).view(-1, s.heads, s.nope + s.v_head)
+            rope = latent[:, None, s.latent:].expand(-1, s.heads, s.rope)
+            k = torch.cat([kv[..., :s.nope], rope], dim=-1)
+            v = kv[..., s.nope:]
+            a = torch.nn.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=self.mask(prefix_latent.shape[0], new, h.device))
+            outs.append(a[0].transpose(0, 1).reshape(new, s.heads * s.v_head))
+        return torch.cat(outs) @ p["o"]
+
+
+def make_decoder(s: Shapes, device: torch.device) -> Decoder:
+    return MlaDecoder(s, device) if s.mla else Decoder(s, device)
+
+
 def prefix_reader(cache: Any, blocks: list[int], s: Shapes):
     """A function ``layer -> (K, V)`` of one request's prefix, read from the paged cache in its engine's format."""
     idx = torch.as_tensor(blocks, dtype=torch.int64, device=cache.device)
     P = len(blocks) * s.block
-    if cache.format.startswith("vllm"):
+    if cache.format == "vllm-mla":
+        def read(layer: int):  # vLLM MLA: [blocks, 1, block_size, latent + rope]
+            return cache.kv_caches[layer][idx].permute(0, 2, 1, 3).reshape(P, 1, s.head), None
+    elif cache.format == "sglang-mla":
+        slots = (idx[:, None] * s.block + torch.arange(s.block, device=cache.device)[None]).reshape(-1)
+
+        def read(layer: int):  # SGLang MLA: per-layer kv_buffer [slots, 1, latent + rope]
+            return cache.k_buffer[layer][slots], None
+    elif cache.format.startswith("vllm"):
         def read(layer: int):  # vLLM: [blocks, heads, block_size, 2*head], K then V in the last dim
             kv = cache.kv_caches[layer][idx].permute(0, 2, 1, 3).reshape(P, s.kv_heads, 2 * s.head)
             return kv[..., :s.head], kv[..., s.head:]
@@ -409,7 +490,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = prefix // s.block
-    cache = GpuKVCache(fmt, num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
+    cache = GpuKVCache(s.cache_format(fmt), num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
                        num_blocks=nb * len(prompts) + 1, block_size=s.block)
     reqs = [Request(i, p, list(range(i * nb, (i + 1) * nb))) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -442,7 +523,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
         if prewarm_what != "none" and copier_engine(worker) is not None:
-            prewarm(copier_engine(worker), prewarm_what, 2 * prefix * s.kv_heads * s.head * 2)
+            prewarm(copier_engine(worker), prewarm_what, s.kv_planes * prefix * s.kv_heads * s.head * 2)
         rig.workers[placement], rig.backends[placement] = worker, backend
     return rig
 
@@ -629,9 +710,8 @@ def verify(rig: FormatRig, client: Any, model: Decoder, placement: str, width: i
     exact = bool(rig.cache.read(r.blocks, 0, len(r.blocks) * model.s.block).equal(truth))
     # and the attention reads what was loaded: the format's prefix reader against the canonical bytes
     for layer in (0, model.s.layers - 1):
-        k, v = r.reader(layer)
-        exact &= bool(k.contiguous().view(torch.uint8).view_as(truth[0, layer]).equal(truth[0, layer]))
-        exact &= bool(v.contiguous().view(torch.uint8).view_as(truth[1, layer]).equal(truth[1, layer]))
+        for plane, read in enumerate(r.reader(layer)[:model.s.kv_planes]):
+            exact &= bool(read.contiguous().view(torch.uint8).view_as(truth[plane, layer]).equal(truth[plane, layer]))
     return exact
 
 
@@ -709,7 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     s = SHAPES[args.shape]
     if args.prefix % args.chunk or args.chunk % s.block:
         raise SystemExit("--prefix must be a multiple of --chunk, and --chunk of the block size 16")
-    formats = [f for f in args.formats.split(",") if f]
+    formats, formats_skipped = [], {}
+    for f in (f for f in args.formats.split(",") if f):
+        try:
+            formats.append(s.cache_format(f))
+        except ValueError as exc:  # an engine format with no cache of this shape's kind: said in the result
+            formats_skipped[f] = str(exc)
     widths = [AUTO if w == "auto" else int(w) for w in args.widths.split(",")]
     placements = [x for x in args.placements.split(",") if x]
     built = placements if "server" in placements else ["server", *placements]  # the prefixes are stored through it
@@ -720,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--placements: {exc}") from None
     news = [int(n) for n in args.new.split(",")]
     concs = [int(c) for c in args.concurrency.split(",") if c]
-    request_bytes = args.prefix * s.layers * 2 * s.kv_heads * s.head * 2
+    request_bytes = args.prefix * s.layers * s.kv_planes * s.kv_heads * s.head * 2
     fits = max(1, int(args.max_pool_gib * (1 << 30) * 20 // 21 // request_bytes))
     skipped_concs = [c for c in concs if c > fits]  # their prefixes would not fit a pool this machine can hold
     concs = [c for c in concs if c <= fits]
@@ -738,9 +823,10 @@ def main(argv: list[str] | None = None) -> int:
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
                    "prewarm": args.prewarm, "probe_copies": args.probe_copies, "server_args": args.server_args,
                    "shape": args.shape, "model": s.describe(),
-                   "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs},
+                   "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs,
+                   "formats_skipped": formats_skipped},
         "formats": {}, "errors": {}}
-    model = Decoder(s, torch.device("cuda"))
+    model = make_decoder(s, torch.device("cuda"))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32000, (args.prefix,), generator=gen).tolist() for _ in range(max_conc)]
     with ServerProcess(l1_bytes=pool_bytes, chunk_size=args.chunk, log_level="WARNING",
@@ -759,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
                         backend = rig.backends["server"]
                         t = time.perf_counter()
                         for r in rig.requests:
-                            kv = torch.randn(2, s.layers, args.prefix, s.kv_heads, s.head, device="cuda",
+                            kv = torch.randn(s.kv_planes, s.layers, args.prefix, s.kv_heads, s.head, device="cuda",
                                              dtype=torch.bfloat16).view(torch.uint8)
                             rig.cache.write(kv, r.blocks)
                             if r.index == 0:

@@ -6,7 +6,7 @@
 # override its arguments. Every JSON lands in OUT_DIR as ttft-<shape>-<prefix>-<loop>.json.
 set -u
 out="${1:?out dir}"
-shapes="${2:-llama-3.1-8b,llama-3.1-70b-tp8,qwen2.5-7b}"
+shapes="${2:-llama-3.1-8b,llama-3.1-70b-tp8,qwen2.5-7b,deepseek-v2-lite}"
 prefixes="${3:-6144,30720}"
 loops="${4:-sleep,spin}"
 mkdir -p "$out"
