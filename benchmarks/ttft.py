@@ -4,10 +4,11 @@ An idle-GPU transfer benchmark (``benchmarks/transfer.py``) cannot see what deci
 later layers still copy, the engine is computing earlier ones, and copies that run in another process's CUDA
 context are time-sliced against that compute. This benchmark runs the compute.
 
-* The engine: Llama-3.1-8B-shaped decoder layers (random bf16 weights: 4096 hidden, 32 query heads, 8 KV
-  heads of 128, MLP 14,336, 32 layers) whose attention reads the cached prefix from the paged KV cache in
-  each engine's own format: vLLM's LBNHC layers, SGLang's per-layer ``k_buffer``/``v_buffer``, TensorRT-LLM's
-  ``[blocks, layers, 2, tokens*heads*head]`` pool (``kvstrata_testing.gpu_caches``).
+* The engine: decoder layers of a model shape (``--shape``, :data:`SHAPES`: Llama-3.1-8B by default, a
+  Llama-3.1-70B shard of tensor parallelism 8, Qwen2.5-7B, DeepSeek-V2-Lite's MLA; random bf16 weights) whose
+  attention reads the cached prefix from the paged KV cache in each engine's own format: vLLM's LBNHC layers,
+  SGLang's per-layer ``k_buffer``/``v_buffer``, TensorRT-LLM's ``[blocks, layers, 2, tokens*heads*head]`` pool,
+  and vLLM's and SGLang's MLA caches for an MLA shape (``kvstrata_testing.gpu_caches``).
 * The load: a 15,104-token cached prefix (1.84 GiB of KV) per request, stored in a real ``kvstrata serve``
   process, plus 256, 1,024 or 2,048 new tokens computed on top of it.
 * Arms: ``resident`` (the KV is already in the cache: compute alone), chunk-major (width 0) and layer-major
@@ -488,9 +489,10 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
+    from transfer import wait_pool_registered
 
     nb = prefix // s.block
-    cache = GpuKVCache(s.cache_format(fmt), num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
+    cache = GpuKVCache(fmt, num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
                        num_blocks=nb * len(prompts) + 1, block_size=s.block)
     reqs = [Request(i, p, list(range(i * nb, (i + 1) * nb))) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -522,6 +524,9 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)
+        background_s = wait_pool_registered(worker)  # timed runs copy from registered memory
+        if background_s is not None:
+            rig.register_s[f"{placement}/background"] = background_s
         if prewarm_what != "none" and copier_engine(worker) is not None:
             prewarm(copier_engine(worker), prewarm_what, s.kv_planes * prefix * s.kv_heads * s.head * 2)
         rig.workers[placement], rig.backends[placement] = worker, backend

@@ -53,6 +53,7 @@ import torch
 from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
+from kvstrata.native.host_pinning import PoolPinning, pinned_device_pointer
 from kvstrata.native.load_issuer import (OP_COPY, OP_MARK, OP_MEMCPY2D, OP_RECORD_EVENT, OP_WAIT_EVENT, IssuedSlice,
                                          LoadIssuer)
 
@@ -106,79 +107,6 @@ def _vec_bytes(*values: int) -> int:
     if g == 0:
         return _MAX_VEC
     return min(_MAX_VEC, g & -g)
-
-
-# --- pinned L1 pools -----------------------------------------------------------------
-
-_pinned_lock = threading.Lock()
-_pinned: dict[tuple[int, int], dict[str, Any]] = {}
-"""(host address, size) of each pool pinned in this process -> {"refs": engines using it, "dev": {device: ptr}}."""
-
-
-def pin_pool(pool: torch.Tensor, device_index: int, ext: Any, *, read_only: bool = False) -> int:
-    """Pin the L1 pool once per process (``cudaHostRegister``) and return its device pointer on a device.
-
-    Pinning 1 GiB costs a fraction of a second, so it happens at registration,
-    never per transfer; every engine on the same pool shares it (reference
-    counted, see :func:`unpin_pool`).
-    """
-    if pool.device.type != "cpu" or pool.dtype != torch.uint8 or not pool.is_contiguous():
-        raise ValueError("the L1 pool must be a contiguous uint8 CPU tensor")
-    return pin_host_range(pool.data_ptr(), pool.numel(), device_index, ext, what="the L1 pool", read_only=read_only)
-
-
-def unpin_pool(pool: torch.Tensor, ext: Any) -> None:
-    """Drop one engine's use of a pinned pool; the last one unregisters it (see :func:`unpin_host_range`)."""
-    unpin_host_range(pool.data_ptr(), pool.numel(), ext)
-
-
-def pin_host_range(addr: int, size: int, device_index: int, ext: Any, *, what: str = "a host range",
-                   read_only: bool = False) -> int:
-    """Register a host mapping for device access once per process (reference counted); its device pointer.
-    ``read_only``: the mapping is read-only in this process (an engine's view of the server's pool)."""
-    key = (addr, size)
-    with _pinned_lock:
-        entry = _pinned.get(key)
-        if entry is None:
-            t0 = time.perf_counter()
-            dev_ptr = ext.host_register(addr, size, device_index, read_only)
-            _pinned[key] = entry = {"refs": 0, "dev": {device_index: dev_ptr}, "register_s": time.perf_counter() - t0}
-            log.info("pinned %s for CUDA (cudaHostRegister%s, %d MiB) in %.3f s", what,
-                     ", read-only" if read_only else "", size >> 20, entry["register_s"])
-        elif device_index not in entry["dev"]:
-            entry["dev"][device_index] = ext.host_device_pointer(addr, device_index)
-        entry["refs"] += 1
-        return entry["dev"][device_index]
-
-
-def unpin_host_range(addr: int, size: int, ext: Any) -> None:
-    """Drop one use of a pinned range; the last one unregisters it.
-
-    A registration must not outlive the mapping: a later mapping at the same
-    address would otherwise be read through the old pages' device mapping.
-    """
-    key = (addr, size)
-    with _pinned_lock:
-        entry = _pinned.get(key)
-        if entry is None:
-            return
-        entry["refs"] -= 1
-        if entry["refs"] <= 0:
-            del _pinned[key]
-            ext.host_unregister(addr)
-
-
-def pinned_device_pointer(ptr: int, device_index: int, ext: Any) -> int:
-    """Device pointer of a host address inside a pinned pool, or of other pinned memory (cudaHostAlloc)."""
-    with _pinned_lock:
-        for (base, size), entry in _pinned.items():
-            if base <= ptr < base + size and device_index in entry["dev"]:
-                return entry["dev"][device_index] + (ptr - base)
-    try:
-        return ext.host_device_pointer(ptr, device_index)
-    except RuntimeError as exc:
-        raise ValueError(f"host memory at {ptr:#x} is not pinned: register the L1 pool with the engine first "
-                         f"({exc})") from None
 
 
 # --- copy-engine jobs ------------------------------------------------------------------
@@ -263,8 +191,12 @@ class CudaTransferEngine:
     """
 
     def __init__(self, layout: PagedKVLayout, regions: Sequence[torch.Tensor], pool: torch.Tensor | None,
-                 device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False) -> None:
-        """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1)."""
+                 device_index: int, config: CudaTransferConfig | None = None, *, pool_read_only: bool = False,
+                 pin_in_background: bool = False) -> None:
+        """``pool_read_only``: this process maps the pool read-only (an engine's view of the server's L1).
+        ``pin_in_background``: register the pool on a thread of its own while copies already run
+        (:class:`~kvstrata.native.host_pinning.PoolPinning`); honoured where every copy reads the pool through the
+        copy engine (staged mode, one KV group), since kernels reading it in place need it registered first."""
         self.layout = layout
         self.config = config or CudaTransferConfig()
         self.index = device_index
@@ -285,9 +217,12 @@ class CudaTransferEngine:
             self.ext = cuda_ext.load()
         self.pool = pool if self.ext is not None else None
         self._pool_range = (0, 0, 0)  # host base, size, device base: object addresses by arithmetic
+        self.pinning: PoolPinning | None = None
         if self.pool is not None:
-            dev_base = pin_pool(self.pool, device_index, self.ext, read_only=pool_read_only)
-            self._pool_range = (self.pool.data_ptr(), self.pool.numel(), dev_base)
+            background = pin_in_background and self.config.mode == "staged" and not layout.is_hybrid
+            self.pinning = PoolPinning(self.pool, device_index, self.ext, read_only=pool_read_only,
+                                       background=background)
+            self._pool_range = (self.pool.data_ptr(), self.pool.numel(), self.pinning.dev_base)
         with torch.cuda.device(device_index):
             priority = self.config.stream_priority
             self.stream = torch.cuda.Stream(device_index, priority=priority)
@@ -460,7 +395,7 @@ class CudaTransferEngine:
         self._table_slots.clear()
         self.regions.clear()
         if self.pool is not None:
-            unpin_pool(self.pool, self.ext)
+            self.pinning.close()
             self.pool = None
 
 
@@ -949,7 +884,9 @@ class CudaLocalCopier:
     """Engine-placement loads: this engine process copies from the server's L1 pool into its own CUDA cache.
 
     Built once per mapping of the pool (at registration): the pool, mapped read-only here, is registered for
-    DMA then (``register_s`` says what that cost), and the copies run on this process's own streams in the
+    DMA from then on, in the background where the copies read it through the copy engine only
+    (:class:`~kvstrata.native.host_pinning.PoolPinning`; ``register_s`` is what the engine's start waited), and
+    the copies run on this process's own streams in the
     engine's CUDA context, so they are not time-sliced against the engine's compute the way a server
     process's kernels are. The transfer queue plans each slice inside :meth:`slice_program`; the slice's GPU
     work, its event's record included, then reaches the GPU through this copier's native
@@ -979,7 +916,8 @@ class CudaLocalCopier:
         t0 = time.perf_counter()
         config = config or CudaTransferConfig(direct_copy_min_run=NO_DIRECT_COPIES, stream_priority=ENGINE_COPY_PRIORITY)
         self.pool = pool
-        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable)
+        self.engine = CudaTransferEngine(layout, regions, pool, device_index, config, pool_read_only=not writable,
+                                         pin_in_background=True)
         self.issuer: LoadIssuer | None = None
         """Issues what the executors plan (None in torch mode, whose torch calls run as they are made)."""
         if self.engine.ext is not None:
@@ -987,9 +925,12 @@ class CudaLocalCopier:
             self.engine.ext = self.issuer
             self.engine.before_buffer_change = self.issuer.flush
         self.register_s = time.perf_counter() - t0
-        log.info("engine-placement %s on cuda:%d: %d MiB L1 pool registered for DMA%s in %.3f s",
-                 "loads and stores" if writable else "loads", device_index, pool.numel() >> 20,
-                 "" if writable else " (read-only)", self.register_s)
+        pinning = self.engine.pinning
+        log.info("engine-placement %s on cuda:%d: ready in %.3f s; %d MiB L1 pool%s %s",
+                 "loads and stores" if writable else "loads", device_index, self.register_s, pool.numel() >> 20,
+                 "" if writable else " (read-only)",
+                 "registering for DMA in the background (copies read what is not yet registered as pageable "
+                 "memory)" if pinning is not None and pinning.background else "registered for DMA")
 
     def executor(self, spans: Sequence[tuple[int, int]]) -> "CudaExecutor | TorchCudaExecutor":
         if self.engine.pool is None:  # torch mode: tensor views (the pool is not pinned by the extension there)

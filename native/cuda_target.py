@@ -33,7 +33,8 @@ from kvstrata.core.shm import Segment
 from kvstrata.core.server.targets import HostSignal
 
 from . import cuda_ipc
-from .cuda_executor import CudaTransferConfig, CudaTransferEngine, pin_host_range, unpin_host_range
+from .cuda_executor import CudaTransferConfig, CudaTransferEngine
+from .host_pinning import pin_host_range, unpin_host_range
 
 log = logging.getLogger(__name__)
 

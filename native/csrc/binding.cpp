@@ -128,11 +128,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("signal_host", &kvstrata::signal_host,
         "After the work enqueued so far on stream, store value (64-bit) at dev_word, a mapped host word's "
         "device pointer", py::arg("dev_word"), py::arg("value"), py::arg("device"), py::arg("stream"));
+  // Registering pins every page (a third of a second per GiB or more): the GIL goes meanwhile, so a pool registered
+  // on a thread of its own does not stop the engine's Python.
   m.def("host_register", &kvstrata::host_register,
         "Pin (cudaHostRegister, portable + mapped, read-only if asked) a host range once; returns its device "
-        "pointer", py::arg("ptr"), py::arg("size"), py::arg("device"), py::arg("read_only") = false);
+        "pointer", py::arg("ptr"), py::arg("size"), py::arg("device"), py::arg("read_only") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("host_device_pointer", &kvstrata::host_device_pointer, py::arg("ptr"), py::arg("device"));
-  m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"));
+  m.def("host_unregister", &kvstrata::host_unregister, py::arg("ptr"), py::call_guard<py::gil_scoped_release>());
   m.def("sm_count", &kvstrata::sm_count, py::arg("device"));
   m.def(
       "event_synchronize",
