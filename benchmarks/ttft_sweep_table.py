@@ -27,11 +27,14 @@ def pct(x: float | None) -> str:
 
 def cells(runs: list[dict[str, Any]], section: str) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any]]]:
     """(run config, format, row key, row) of every format's ``section`` of the targets (``concurrency_1``: rows by
-    new tokens; ``concurrency``: by requests), in order."""
+    new tokens; ``concurrency``: by requests), in order. A placement other than ``engine`` is named with the
+    format (``vllm-LBNHC/engine-priohigh``)."""
     for r in runs:
         for cell, t in sorted(r.get("targets", {}).items()):
+            fmt, _, placement = cell.partition("/")
+            name = fmt if placement == "engine" else cell
             for key, row in sorted(t[section].items(), key=lambda kv: int(kv[0])):
-                yield r["config"], cell.split("/")[0], key, row
+                yield r["config"], name, key, row
 
 
 def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
@@ -50,12 +53,14 @@ def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
 
 def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| shape | prefix | loop | format | requests | chunk-major mean / p90 ms | best fixed: mean change "
-           "| never worse | auto: mean change | auto never worse |", "|" + " --- |" * 10]
+           "| never worse | auto: mean change | auto never worse | no transfer at all: mean change |",
+           "|" + " --- |" * 11]
     for c, fmt, conc, row in cells(runs, "concurrency"):
         out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
                    f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
                    f"{pct(row['mean_change'])} (w{row['best_width']}) | {row['never_worse']} | "
-                   f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} |")
+                   f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} | "
+                   f"{pct(row.get('resident_mean_change'))} |")
     return out
 
 
@@ -67,8 +72,8 @@ def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
         by_cell.setdefault((c["shape"], c["prefix_tokens"]), {})[c["engine_loop"]] = r
     out = ["| shape | prefix | format | new | arm | transfer ms, sleep | spin | change |", "|" + " --- |" * 8]
     for (shape, prefix), loops in sorted(by_cell.items()):
-        if not {"sleep", "spin"} <= set(loops):
-            continue
+        if not {"sleep", "spin"} <= set(loops) or loops["sleep"].get("commit") != loops["spin"].get("commit"):
+            continue  # a comparison within one commit's code only
         for fmt, fres in sorted(loops["sleep"]["formats"].items()):
             spun = loops["spin"]["formats"].get(fmt, {})
             for new, arms in sorted(fres.get("concurrency_1", {}).items(), key=lambda kv: int(kv[0])):
@@ -87,7 +92,11 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     runs = load(args.directory)
-    text = "\n".join(["## One request: % of the overlap ceiling", "", *ceiling_rows(runs), "",
+    commits = sorted({f"{r['config']['shape']} {r['config']['prefix_tokens']} {r['config']['engine_loop']}: "
+                      f"{r.get('commit')} on {r.get('device', {}).get('gpu', '?')}" for r in runs})
+    text = "\n".join(["Each cell's run (shape, prefix, engine loop: commit on GPU):", "",
+                      *(f"- {c}" for c in commits), "",
+                      "## One request: % of the overlap ceiling", "", *ceiling_rows(runs), "",
                       "## Requests arriving together (256 new tokens each): mean first-token time against chunk-major",
                       "", *concurrency_rows(runs), "",
                       "## A spinning engine thread: load completion (engine placement, one request)", "",
