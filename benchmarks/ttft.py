@@ -579,7 +579,8 @@ engine_idle = sleep_between_polls
 
 
 def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int | None, conc: int, new: int,
-            timeline: bool = False, probe: CopyProbe | None = None, clock_from_lookup: bool = False) -> dict[str, Any]:
+            timeline: bool = False, probe: CopyProbe | None = None, clock_from_lookup: bool = False,
+            serial: bool | None = None) -> dict[str, Any]:
     """One measurement: ``conc`` requests arrive together; ``width`` None = resident (no transfer). With
     ``probe`` (the arm's :class:`CopyProbe`), the timeline also has each copy and scatter bracket.
     ``clock_from_lookup``: first-token time counts from before the LOOKUPs (a shared-tier hit's fetch starts
@@ -621,7 +622,8 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     t0_ev.record(stream)
     if backend is not None:
         backend.side.wait_event(t0_ev)
-    serial = width == 0  # chunk-major: one request after another
+    if serial is None:
+        serial = width == 0  # chunk-major: one request after another (``serial``: a layer-major arm served so too)
     submitted = 0
 
     def submit_next() -> None:
@@ -730,10 +732,16 @@ def summarize(values: list[float]) -> dict[str, float]:
             "min": round(v[0], 3), "max": round(v[-1], 3), "n": len(v)}
 
 
-def arm_name(placement: str | None, width: int | None) -> str:
+def arm_name(placement: str | None, width: int | None, serial: bool = False) -> str:
     if width is None:
         return "resident"
-    return f"{placement}/" + ("chunk" if width == 0 else "auto" if width == AUTO else f"w{width}")
+    name = f"{placement}/" + ("chunk" if width == 0 else "auto" if width == AUTO else f"w{width}")
+    return name + SERIAL_SUFFIX if serial else name
+
+
+SERIAL_SUFFIX = "-serial"
+"""An arm of a layer-major width whose requests are served one after another, as chunk-major's are: the next load is
+submitted when the one before completed (``--serial-widths``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -747,6 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="0,1,2,4,8,auto", help="0 = chunk-major, auto = layers_per_slice: auto")
     p.add_argument("--placements", default="server,engine")
     p.add_argument("--concurrency", default="2,4,8")
+    p.add_argument("--serial-widths", default="", help="at concurrency > 1, also run these layer-major widths with "
+                   "the requests served one after another, as chunk-major's are (what handing the next load to the GPU "
+                   "only once the one before landed would do)")
     p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency-reps", type=int, default=3)
@@ -811,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # an engine format with no cache of this shape's kind: said in the result
             formats_skipped[f] = str(exc)
     widths = [AUTO if w == "auto" else int(w) for w in args.widths.split(",")]
+    serial_widths = [AUTO if w == "auto" else int(w) for w in args.serial_widths.split(",") if w]
+    if 0 in serial_widths:
+        raise SystemExit("--serial-widths: chunk-major (0) is always served one request after another")
     placements = [x for x in args.placements.split(",") if x]
     built = placements if "server" in placements else ["server", *placements]  # the prefixes are stored through it
     try:
@@ -832,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
         "commit": measured_commit(),
-        "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths,
+        "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
@@ -878,14 +892,14 @@ def main(argv: list[str] | None = None) -> int:
                     first_use = placements[::-1] if args.first_use == "reversed" else placements
                     fres["verified"] = {f"{pl}/w{w}": verify(rig, client, model, pl, w, truth, 256)
                                         for pl in first_use for w in sorted({0, 1, max(widths), *({AUTO} & set(widths))})}
-                    arms = [(None, None)] + [(pl, w) for pl in placements for w in widths]
+                    arms = [(None, None, False)] + [(pl, w, False) for pl in placements for w in widths]
                     fres["concurrency_1"] = {}
                     for new in news:
                         run_arm(rig, client, model, placements[0], widths[0], 1, new)  # warm this size's kernels
-                        runs: dict[str, list[dict]] = {arm_name(pl, w): [] for pl, w in arms}
+                        runs: dict[str, list[dict]] = {arm_name(pl, w): [] for pl, w, _ in arms}
                         for rep in range(args.reps):
                             order = arms[rep % len(arms):] + arms[:rep % len(arms)]
-                            for pl, w in order:
+                            for pl, w, _ in order:
                                 runs[arm_name(pl, w)].append(run_arm(rig, client, model, pl, w, 1, new))
                         fres["concurrency_1"][str(new)] = {
                             name: {"ttft_ms": summarize([r["ttft_ms"][0] for r in rs]),
@@ -906,13 +920,14 @@ def main(argv: list[str] | None = None) -> int:
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}
+                    conc_arms = arms + [(pl, w, True) for pl in placements for w in serial_widths]
                     for conc in concs:
-                        runs = {arm_name(pl, w): [] for pl, w in arms}
+                        runs = {arm_name(*arm): [] for arm in conc_arms}
                         for rep in range(args.concurrency_reps):
-                            order = arms[rep % len(arms):] + arms[:rep % len(arms)]
-                            for pl, w in order:
-                                runs[arm_name(pl, w)].append(run_arm(rig, client, model, pl, w, conc,
-                                                                     args.concurrency_new))
+                            order = conc_arms[rep % len(conc_arms):] + conc_arms[:rep % len(conc_arms)]
+                            for pl, w, serial in order:
+                                runs[arm_name(pl, w, serial)].append(run_arm(rig, client, model, pl, w, conc,
+                                                                             args.concurrency_new, serial=serial))
                         fres["concurrency"][str(conc)] = {
                             name: {"ttft_ms": summarize([t for r in rs for t in r["ttft_ms"]]),
                                    "mean_ttft_ms_per_rep": [round(statistics.fmean(r["ttft_ms"]), 3) for r in rs],
@@ -985,6 +1000,14 @@ def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -
                                    # engine batches the requests it has, not how fast they arrive
                                    "resident_mean_ms": resident["mean"],
                                    "resident_mean_change": round(resident["mean"] / chunk["mean"] - 1, 4)}
+                serial = [n for n in arms if n.startswith(f"{pl}/") and n.endswith(SERIAL_SUFFIX)]
+                if serial:  # layer-major served one request after another
+                    name = min(serial, key=lambda n: arms[n]["ttft_ms"]["mean"])
+                    best_serial = arms[name]["ttft_ms"]
+                    conc_rows[conc].update(
+                        serial_best=name.split("/", 1)[1], serial_mean_ms=best_serial["mean"],
+                        serial_p90_ms=best_serial["p90"], serial_mean_change=round(best_serial["mean"] / chunk["mean"] - 1, 4),
+                        serial_never_worse=best_serial["mean"] <= chunk["mean"] and best_serial["p90"] <= chunk["p90"])
                 if f"{pl}/auto" in arms:
                     auto = arms[f"{pl}/auto"]["ttft_ms"]
                     conc_rows[conc].update(auto_mean_ms=auto["mean"], auto_p90_ms=auto["p90"],

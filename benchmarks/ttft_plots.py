@@ -15,7 +15,7 @@ from typing import Any
 
 def _best(arms: dict[str, Any], placement: str, stat: str) -> tuple[str, float] | None:
     cands = [(name, a["ttft_ms"][stat]) for name, a in arms.items()
-             if name.startswith(placement + "/w")]
+             if name.startswith(placement + "/w") and not name.endswith("-serial")]
     return min(cands, key=lambda c: c[1]) if cands else None
 
 
