@@ -12,8 +12,8 @@ registers it:
 * ``background``: what the start waits (the constructor), how long the registration takes, and meanwhile what the
   engine sees: a copy of 256 MiB from the pool (pageable until registered) and a tiny kernel's round trip, on
   the engine's thread, against the same after the registration.
-* ``--pieces-check``: a copy whose source spans two registrations of adjacent halves (why the pool is registered in
-  one call).
+* once a run (``pieces_check`` in the JSON): a copy whose source spans two registrations of adjacent halves (why
+  the pool is registered in one call).
 
     python benchmarks/pool_registration.py --gib 8,32 --out benchmarks/results/pool-registration-h200.json
 """

@@ -732,6 +732,11 @@ def summarize(values: list[float]) -> dict[str, float]:
             "min": round(v[0], 3), "max": round(v[-1], 3), "n": len(v)}
 
 
+def parse_widths(text: str) -> list[int]:
+    """``--widths``-style text: 0 chunk-major, N layers a slice, ``auto`` (:data:`AUTO`)."""
+    return [AUTO if w == "auto" else int(w) for w in text.split(",") if w]
+
+
 def arm_name(placement: str | None, width: int | None, serial: bool = False) -> str:
     if width is None:
         return "resident"
@@ -796,8 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.evaluate:
         with open(args.evaluate) as f:
             result = json.load(f)
-        widths = [AUTO if w == "auto" else int(w) for w in result["config"]["widths"]]
-        result["targets"] = evaluate(result, result["config"]["placements"], widths)
+        result["targets"] = evaluate(result, result["config"]["placements"], result["config"]["widths"])
         with open(args.evaluate, "w") as f:
             json.dump(result, f, indent=1)
         return 0
@@ -821,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
             formats.append(s.cache_format(f))
         except ValueError as exc:  # an engine format with no cache of this shape's kind: said in the result
             formats_skipped[f] = str(exc)
-    widths = [AUTO if w == "auto" else int(w) for w in args.widths.split(",")]
-    serial_widths = [AUTO if w == "auto" else int(w) for w in args.serial_widths.split(",") if w]
+    widths = parse_widths(args.widths)
+    serial_widths = parse_widths(args.serial_widths)
     if 0 in serial_widths:
         raise SystemExit("--serial-widths: chunk-major (0) is always served one request after another")
     placements = [x for x in args.placements.split(",") if x]

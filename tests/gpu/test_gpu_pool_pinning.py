@@ -12,7 +12,6 @@ from gpu_helpers import shuffled_blocks
 from test_gpu_kernels import SKIP, TOKENS, make_cache, retrieve_job, store_objects
 
 
-
 def engine_ext():
     from kvstrata.native import cuda_ext
 
