@@ -201,3 +201,49 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
     finally:
         hold.open_all()
         side.close()
+
+
+def test_a_load_reaches_the_gpu_only_once_the_load_before_it_has_landed(engine) -> None:
+    """Two loads submitted together (the queue's default ``loads_on_gpu`` of one): with the first held on the GPU,
+    the second's first slice is not even issued; once the first lands, both land byte-exact."""
+    from gpu_helpers import StreamGate
+
+    side, layers, tokens, truth, _ = engine
+    dsts = {"order-a": list(range(236, 300)), "order-b": list(range(164, 228))}
+    copier = side.transfers._copier
+
+    def load_both(tag: str) -> dict:
+        for rid, dst in dsts.items():
+            for t in layers.values():
+                t[dst] = 0
+            load(side, rid + tag, tokens, dst, 1)
+        return {rid: side.transfers._inflight[rid + tag].load for rid in dsts}
+
+    def check_landed(tag: str) -> None:
+        for rid, dst in dsts.items():
+            wait_released(side, rid + tag)
+        for name in layers:
+            side.wait_for_layer(layer_index(name))
+        torch.cuda.current_stream().synchronize()
+        side.transfers.wait_all(30)
+        side.poll(set())
+        assert side.take_load_failures() == []
+        for rid, dst in dsts.items():
+            for name, t in layers.items():
+                assert torch.equal(t[dst].view(torch.int16), truth[name].view(torch.int16)), (rid, name)
+
+    load_both("-warm")  # staging buffers and token tables sized for these loads before the copier is held
+    check_landed("-warm")
+    with StreamGate(copier.engine.stream):
+        loads = load_both("-held")
+        a, b = loads["order-a"], loads["order-b"]
+        deadline = time.monotonic() + 30
+        while b.record.last_slice_at is None:  # planned at submit, or by the enqueue thread if it was busy
+            assert time.monotonic() < deadline, "the second load was never planned"
+            time.sleep(0.001)
+        assert b.starts_after is a.last_completion and a.starts_after is None
+        b_first = b.gate._slice_of_layer[0].completion
+        assert not copier.issuer._native.wait_mark(b_first.mark[0], 300_000)  # only catches a missing wait
+        assert not a.last_completion.query()
+        assert "order-b-held" not in side.poll(set())[1]
+    check_landed("-held")

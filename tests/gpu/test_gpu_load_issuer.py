@@ -120,3 +120,59 @@ def test_a_call_outside_a_program_is_issued_before_it_returns(issuer):
     issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
     stream.synchronize()  # covers the copy only if it was on the stream when the call returned
     assert torch.equal(dst.cpu(), src)
+
+
+def _held_event(stream: torch.cuda.Stream):
+    """A gate on ``stream`` and an event recorded behind it: the event completes only once the gate opens."""
+    from gpu_helpers import StreamGate
+
+    gate = StreamGate(stream)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return gate, ev
+
+
+def test_a_wait_landed_op_holds_every_later_op_until_its_event_completed(issuer):
+    from kvstrata.native.load_issuer import IssuedSlice
+
+    held, stream = torch.cuda.Stream(), torch.cuda.Stream()
+    gate, before = _held_event(held)
+    src = torch.full((1 << 16,), 9, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    rows = _copy_row(dst, src)
+    with gate:
+        first_ev, second_ev = _event(), _event()
+        with issuer.program():
+            issuer.wait_landed(before.cuda_event, BOUND)
+            issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
+            issuer.event_record(first_ev.cuda_event, stream.cuda_stream)
+            first = IssuedSlice(issuer, issuer.mark(), first_ev)
+        with issuer.program():  # a later program waits behind it, on the native thread
+            issuer.event_record(second_ev.cuda_event, stream.cuda_stream)
+            second = IssuedSlice(issuer, issuer.mark(), second_ev)
+        assert not issuer._native.wait_mark(first.mark[0], 300_000)  # 0.3 s: only catches a wait that is missing
+        assert not issuer.issued(second.mark[0]) and not before.query()
+    first.synchronize()
+    second.synchronize()
+    assert before.query() and torch.equal(dst.cpu(), src)
+
+
+def test_a_wait_landed_past_its_bound_fails_its_program_only(issuer):
+    from kvstrata.native.load_issuer import IssuedSlice
+
+    held, stream = torch.cuda.Stream(), torch.cuda.Stream()
+    gate, before = _held_event(held)
+    with gate:
+        ev, after_ev = _event(), _event()
+        with issuer.program():
+            issuer.wait_landed(before.cuda_event, 0.05)
+            issuer.event_record(ev.cuda_event, stream.cuda_stream)
+            waited = IssuedSlice(issuer, issuer.mark(), ev)
+        with pytest.raises(TransferFailed, match="did not land within 50 ms"):
+            waited.wait(torch.cuda.current_stream())
+        with issuer.program():
+            issuer.event_record(after_ev.cuda_event, stream.cuda_stream)
+            after = IssuedSlice(issuer, issuer.mark(), after_ev)
+        after.synchronize()  # the next program ran, the gate still closed
+        assert not before.query()
+    held.synchronize()
