@@ -20,8 +20,7 @@ context are time-sliced against that compute. This benchmark runs the compute.
   default is two per SM); ``-bufsN`` (``engine-bufs4``) gives its copies N staging buffers (the default is
   two); ``-priohigh`` (``engine-priohigh``) runs its copy
   and scatter streams at the highest priority (the
-  default is normal priority; ``-prio0`` names it); ``-gpuloadsN`` lets N loads have copies on the GPU at once
-  (the transfer queue's ``loads_on_gpu``; the default is one, ``-gpuloads0`` sets no bound).
+  default is normal priority; ``-prio0`` names it).
 * The engine's thread between polls: it sleeps 20 us (``--engine-loop sleep``, the default) or stays in
   Python for 20 us (``spin``), as an engine busy scheduling and launching does; a spinning thread holds the
   GIL, which the copying threads of an engine placement then wait for.
@@ -114,10 +113,6 @@ def locates_by_lookup(placement: str) -> bool:
 BASE_PLACEMENTS = ("server", "engine")
 
 
-LOADS_ON_GPU_SUFFIX = "-gpuloads"
-"""An engine-placement placement ending in ``-gpuloadsN`` lets N loads have copies on the GPU at once (0: no bound)."""
-
-
 @dataclass(frozen=True)
 class ArmSettings:
     """What a ``--placements`` name asks for (None: the default)."""
@@ -126,27 +121,23 @@ class ArmSettings:
     priority: int | None = None
     ctas: int | None = None
     buffers: int | None = None
-    loads_on_gpu: int | None = None
-    """N from ``-gpuloadsN`` (0: no bound); None: the queue's default."""
 
 
 def arm_settings(placement: str) -> ArmSettings:
-    """Parse a placement name: a base, then suffixes in the order ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``,
-    ``-gpuloadsN``, ``-retrieve``, ``-twinN`` (any may be left out). A name that leaves anything else is refused, so
-    a misspelt arm cannot run the default settings under another name."""
+    """Parse a placement name: a base, then suffixes in the order ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
+    that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
     base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
-    base, loads_on_gpu = numbered_suffix(base.removesuffix(LOCATE_SUFFIX), LOADS_ON_GPU_SUFFIX)
-    base, priority = copy_priority(base)
+    base, priority = copy_priority(base.removesuffix(LOCATE_SUFFIX))
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -bufsN, -ctasN, -prio0/-priohigh, -gpuloadsN, "
+                         "go in the order -bufsN, -ctasN, -prio0/-priohigh, "
                          "-retrieve)")
-    if base == "server" and ((ctas, buffers, priority, loads_on_gpu, _twin) != (None,) * 5
+    if base == "server" and ((ctas, buffers, priority, _twin) != (None,) * 4
                              or placement.endswith(LOCATE_SUFFIX)):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-placement arms only")
-    return ArmSettings(base, priority, ctas, buffers, loads_on_gpu)
+    return ArmSettings(base, priority, ctas, buffers)
 
 
 @dataclass(frozen=True)
@@ -527,10 +518,9 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
                 torch.cuda.Stream()
             staging = RegistrationArea(cache.layout, chunk_size=chunk)
             rig.staging.append(staging)
-            queue = {} if arm.loads_on_gpu is None else {"loads_on_gpu": arm.loads_on_gpu or None}
             worker = EnginePlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      local_regions=cache.region_tensors(),
-                                     registration_layout=staging.layout, **queue)
+                                     registration_layout=staging.layout)
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)

@@ -969,13 +969,6 @@ class CudaLocalCopier:
             cells = executor.scatter_slices(job, slices, [event.cuda_event for event in events])
         return [IssuedSlice(self.issuer, cell, event) for cell, event in zip(cells, events)]
 
-    def start_after(self, completion: "IssuedSlice | torch.cuda.Event", timeout: float) -> None:
-        """Inside a slice's program: nothing planned after this reaches the GPU before ``completion`` (an earlier
-        load's last slice) has landed; the native thread waits, at most ``timeout`` seconds (then the program
-        fails). In torch mode, without a native thread, loads are not held back: its planning thread would wait."""
-        if self.issuer is not None and isinstance(completion, IssuedSlice):
-            self.issuer.wait_landed(completion.handle, timeout)
-
     def finish(self, last_completion: "IssuedSlice | torch.cuda.Event | None") -> None:
         if last_completion is not None:
             last_completion.synchronize()  # without the GIL while it waits

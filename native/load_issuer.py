@@ -19,10 +19,6 @@ failed, and whoever waits on them gets :class:`~kvstrata.core.arrival.gate.Trans
 Calls made outside a program (a store's copies, a table slot handed back) are issued through the same thread and
 waited for before they return, so everything this copier puts on its streams keeps one order: the order in which
 it was planned. That order is what makes the staging buffers' event hand-over (recorded at plan time) correct.
-
-A load's first program may begin with a wait for the load before it to land (:meth:`LoadIssuer.wait_landed`, the
-transfer queue's ``loads_on_gpu``): the native thread holds everything after it until that event completes, so
-planning never waits and the order above is kept.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ import numpy as np
 
 from kvstrata.core.arrival.gate import LayerWaitTimeout, TransferFailed
 
-OP_MEMCPY2D, OP_MEMCPY, OP_WAIT_EVENT, OP_RECORD_EVENT, OP_COPY, OP_TABLE_FROM_HOST, OP_MARK, OP_WAIT_LANDED = \
-    range(1, 9)
+OP_MEMCPY2D, OP_MEMCPY, OP_WAIT_EVENT, OP_RECORD_EVENT, OP_COPY, OP_TABLE_FROM_HOST, OP_MARK = range(1, 8)
 """The op codes of ``native/csrc/load_issuer.h``."""
 
 ISSUE_WAIT_S = 60.0
@@ -204,12 +199,6 @@ class LoadIssuer:
         self._record(OP_COPY, 18, int(scatter), planes, tokens, src_base, n_tok, kv, num_layers, layer_offset,
                      staged_layers, src_layers, src_layer0, row_bytes, head_bytes, head_stride, vec_bytes, max_ctas,
                      device, stream)
-
-    def wait_landed(self, event: int, timeout: float) -> None:
-        """Issue nothing after this (in this program and every later one) until ``event``, recorded by an earlier
-        program, has completed on the GPU; the program fails if it has not within ``timeout`` seconds. The native
-        thread waits, never the GIL."""
-        self._record(OP_WAIT_LANDED, 2, event, int(timeout * 1e6))
 
     def build_table_from_host(self, host: int, n_copies: int, n_blocks: int, dev: int, row_bytes: int,
                               block_size: int, block_stride: int, token_stride: int, n_tok: int, device: int,

@@ -47,10 +47,6 @@ class LocalCopier(Protocol):
     # each slice's completion, as mark_slice would. The queue then plans a load's first slice alone (issued at
     # once) and the rest in one call, instead of a program per slice. Without it, the queue goes slice by slice
     # (on the CPU a slice's copies run in its call, and a failure between slices stops the rest).
-    #   def start_after(self, completion, timeout: float) -> None
-    # inside a load's first slice program: nothing planned after it reaches the GPU before the slice
-    # ``completion`` marks (an earlier load's last) has landed, waited for by the native thread within ``timeout``
-    # (the queue's ``loads_on_gpu``). Without it, loads are not held back.
 
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> Any:
         """STORE: copy the cache's blocks into reserved pool objects given as (byte offset, tokens, first

@@ -61,15 +61,14 @@ class EnginePlacement(Placement):
                  registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
                  setup_timeout: float | None = None,
                  pool_writable: bool = False,
-                 slice_observer: SliceObserver | None = None, loads_on_gpu: int | None = 1) -> None:
+                 slice_observer: SliceObserver | None = None) -> None:
         """``local_regions``: the engine cache this process writes (and reads, to store).
         ``registration_layout``: what the server is told instead of the cache; with ``own_registration_area``
         this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
         size, asked with ``setup_timeout``) and removes it at :meth:`close`. ``pool_writable``: map the server's
         pool writable too, so this process STOREs by copying into objects the server reserved
         (:meth:`store`); otherwise it is mapped read-only. ``slice_observer``: told of each load's slices as the
-        queue enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`). ``loads_on_gpu``: how many
-        loads may have copies on the GPU at once (see :mod:`~kvstrata.core.engine.transfer_queue`)."""
+        queue enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         if local_regions is None:
             raise ValueError("engine placement needs local_regions: the engine cache this process writes")
         if own_registration_area and registration_layout is not None:
@@ -94,7 +93,7 @@ class EnginePlacement(Placement):
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
-                                    slice_observer=slice_observer, loads_on_gpu=loads_on_gpu)
+                                    slice_observer=slice_observer)
 
     # --- registration ----------------------------------------------------------------
 

@@ -7,17 +7,8 @@ in which the slices of concurrent loads reach the copy engine is a decision
 rather than whatever order threads happen to run in: one load's slices after
 another's, in the order the loads were submitted (earliest released first). The
 first load is released on its first slice and its last layer lands as early as
-it can. (Taking one slice of each load in turn made every load's last layer land
-late: see docs/decisions.md.)
-
-How many loads have copies on the GPU at once is a decision too (``loads_on_gpu``,
-one by default): a load's copies are handed to the GPU only once the load before it
-has landed. Loads enqueued together otherwise land together: the copies of the loads
-behind the first run between the engine's compute kernels and finish near the end of
-the engine's step on the first, and the engine then takes them all into its next
-step, whose first-token time is that of all of them. Landing one after another, they
-go one a step, as chunk-major's loads do. The wait is the copier's native thread's
-(``kvstrata.native.load_issuer``): planning goes on at once and no Python thread waits.
+it can; the next follows right behind it. (Taking one slice of each load in turn
+made every load's last layer land late: see docs/decisions.md.)
 
 Two threads, so that enqueuing never waits for a copy to finish:
 
@@ -111,9 +102,6 @@ class QueuedLoad:
     """The pool's landed words (read-only): how many leading layers of each object are in the pool."""
     locks_freed: bool = False
     """FREE_LOOKUP_LOCKS was sent for it (:meth:`TransferQueue.free_locks`)."""
-    starts_after: Any = None
-    """The completion of the load before it that its copies wait for (``loads_on_gpu``), kept alive until this
-    load settles: the native thread waits on its event."""
     filling: bool = False
     """Some object it copies from was still filling from the shared tier when it was located: each slice
     waits for its layers to land (:meth:`TransferQueue._wait_landed`)."""
@@ -130,10 +118,8 @@ class TransferQueue:
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
                  retrieve_timeout: float, landed: Callable[[Any], bool],
                  generations_for: Callable[[dict[str, Any]], Any],
-                 slice_observer: planner.SliceObserver | None = None, loads_on_gpu: int | None = 1) -> None:
-        """``loads_on_gpu``: how many loads may have copies on the GPU at once (None: no bound); a load beyond
-        that starts once the one that many loads before it has landed (copiers that issue through a native
-        thread; on the CPU a slice's copy has run when it is planned). ``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
+                 slice_observer: planner.SliceObserver | None = None) -> None:
+        """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool); ``generations_for(pool)``: that pool's generation and landed words, mapped
         read-only. ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``slice_observer``: told of each load's slices as they are enqueued
@@ -146,11 +132,6 @@ class TransferQueue:
         self._chunk_size = chunk_size
         self.retrieve_timeout = retrieve_timeout
         self._landed = landed
-        if loads_on_gpu is not None and loads_on_gpu < 1:
-            raise ValueError(f"loads_on_gpu must be at least 1 or None (no bound), got {loads_on_gpu}")
-        self.loads_on_gpu = loads_on_gpu
-        self._on_gpu: deque[QueuedLoad] = deque(maxlen=loads_on_gpu or 1)
-        """The last ``loads_on_gpu`` loads planned, oldest first (planning thread only)."""
         self._pending: deque[QueuedLoad | None] = deque()
         """Loads submitted and not planned yet, in submission order (None: closing)."""
         self._pending_cond = threading.Condition()
@@ -297,8 +278,6 @@ class TransferQueue:
                 if load.filling:
                     self._wait_landed(load, start + count)
                 with load.copier.slice_program():
-                    if index == 0:
-                        self._start_after_earlier_loads(load)
                     planner.enqueue_slice(load.executor, load.job, load.layers_per_slice, index)
                     completion = load.copier.mark_slice(load.executor)
                 if index == 0:
@@ -312,23 +291,6 @@ class TransferQueue:
                 self._stop(load, exc)
                 return
         load.record.last_slice_at = time.perf_counter()
-
-    def _start_after_earlier_loads(self, load: QueuedLoad) -> None:
-        """Inside ``load``'s first slice program: if ``loads_on_gpu`` loads planned before it may still be copying,
-        nothing of ``load`` reaches the GPU before the oldest of them has landed (the copier's native thread
-        waits, bounded by the retrieve timeout; past it this load fails and is recomputed)."""
-        if self.loads_on_gpu is None:
-            return
-        earlier = self._on_gpu[0] if len(self._on_gpu) == self.loads_on_gpu else None
-        self._on_gpu.append(load)
-        if earlier is None or earlier.copier is not load.copier or earlier.last_completion is None:
-            return
-        start_after = getattr(load.copier, "start_after", None)
-        if start_after is None or self._landed(earlier.last_completion):
-            return
-        start_after(earlier.last_completion, self.retrieve_timeout)
-        load.starts_after = earlier.last_completion
-        log.debug("load of %s starts once %s's has landed", load.request_id, earlier.request_id)
 
     def _enqueue_rest(self, load: QueuedLoad, enqueue_slices: Callable[..., list[Any]]) -> None:
         """Plan every slice of ``load`` after its first in one program (the copier's ``enqueue_slices``): its first

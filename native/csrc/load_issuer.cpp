@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
-#include <thread>
 
 #include "kvstrata_cuda.h"
 
@@ -24,24 +23,7 @@ int64_t expected_args(int64_t op, const int64_t* args, int64_t available) {
     case kOpCopy: return 18;
     case kOpTableFromHost: return 10;
     case kOpMark: return 1;
-    case kOpWaitLanded: return 2;
     default: return -1;
-  }
-}
-
-// Returns once `event` has completed; throws past timeout_us. Looks without sleeping for the first 100 us (a
-// sleeping thread wakes 0.1-0.5 ms late on a virtual machine, and every such delay idles the copy engine), then
-// sleeps 20 us between looks, so a wait of a whole load (tens of ms) does not take a CPU core from the engine.
-void wait_landed(uintptr_t event, int64_t timeout_us) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto spin_until = start + std::chrono::microseconds(std::min<int64_t>(timeout_us, 100));
-  const auto deadline = start + std::chrono::microseconds(timeout_us);
-  while (!event_query(event)) {
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline)
-      throw std::runtime_error("the load before this one did not land within " +
-                               std::to_string(timeout_us / 1000) + " ms");
-    if (now >= spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 
@@ -151,7 +133,6 @@ void LoadIssuer::execute(const Program& program) {
                                 reinterpret_cast<int64_t*>(a[3]), a[4], a[5], a[6], a[7], a[8], device_,
                                 static_cast<uintptr_t>(a[9]));
           break;
-        case kOpWaitLanded: wait_landed(static_cast<uintptr_t>(a[0]), a[1]); break;
         case kOpMark: {
           std::lock_guard<std::mutex> lock(mutex_);  // a waiter checks under it before it sleeps
           issued_mark_.store(static_cast<uint64_t>(a[0]), std::memory_order_release);

@@ -8,10 +8,6 @@
 // A program is a sequence of ops, each `op, n_args, args...`. A MARK op says "everything before me is
 // issued": the thread publishes its id (ids increase in submission order), and a layer wait that finds its
 // slice's event not issued yet waits for that mark (wait_mark) before it waits on the event.
-//
-// A WAIT_LANDED op holds this thread (and so every program after it) until an event recorded by an earlier
-// program has completed on the GPU: the transfer queue starts a load's copies only once the load before it has
-// landed (see kvstrata.core.engine.transfer_queue). The wait is bounded; past its bound the program fails.
 #pragma once
 
 #include <atomic>
@@ -35,7 +31,6 @@ enum IssueOp : int64_t {
   kOpTableFromHost = 6,   // host, n_copies, n_blocks, dev, row_bytes, block_size, block_stride, token_stride,
                           // n_tok, stream
   kOpMark = 7,            // mark id
-  kOpWaitLanded = 8,      // event, timeout_us: nothing after it is issued until the event has completed
 };
 
 class LoadIssuer {

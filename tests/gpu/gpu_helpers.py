@@ -56,29 +56,3 @@ def release_then_read(worker, request_id: str, read_layer, num_layers: int, time
     worker.wait_all()
     torch.cuda.synchronize()
     return state, reads
-
-
-class StreamGate:
-    """Holds a CUDA stream in a state a test chose: everything enqueued on it after the gate waits on the GPU
-    until :meth:`open` (the driver's ``cuStreamWaitValue32`` on a pinned host word), however fast the machine.
-    Open it before the test ends, or the stream never runs again."""
-
-    def __init__(self, stream: "torch.cuda.Stream") -> None:
-        import ctypes
-
-        self.word = torch.zeros(1, dtype=torch.int32).pin_memory()
-        lib = ctypes.CDLL("libcuda.so.1")
-        wait_value = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
-        wait_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        rc = wait_value(stream.cuda_stream, self.word.data_ptr(), 1, 0)  # CU_STREAM_WAIT_VALUE_GEQ
-        if rc != 0:
-            raise RuntimeError(f"cuStreamWaitValue32 failed: CUresult {rc}")
-
-    def open(self) -> None:
-        self.word[0] = 1
-
-    def __enter__(self) -> "StreamGate":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.open()

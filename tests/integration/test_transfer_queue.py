@@ -174,12 +174,3 @@ def test_a_load_located_by_its_lookup_is_planned_on_the_engines_thread_at_submit
     finally:
         worker.close()
         engine.close()
-
-
-def test_loads_on_gpu_below_one_is_refused_naming_it(client):
-    import pytest
-
-    engine = ReferenceEngine(SMALL_32, num_blocks=8, block_size=16)
-    for bad in (0, -1):
-        with pytest.raises(ValueError, match=f"loads_on_gpu must be at least 1 or None \\(no bound\\), got {bad}"):
-            EnginePlacement(client, 12, engine.layout, local_regions=engine.regions, loads_on_gpu=bad)

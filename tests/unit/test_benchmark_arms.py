@@ -20,8 +20,6 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("engine-ctas33", ttft.ArmSettings("engine", ctas=33)),
     ("engine-priohigh", ttft.ArmSettings("engine", priority=-1)),
     ("engine-prio0", ttft.ArmSettings("engine", priority=0)),
-    ("engine-gpuloads0", ttft.ArmSettings("engine", loads_on_gpu=0)),
-    ("engine-gpuloads2-retrieve", ttft.ArmSettings("engine", loads_on_gpu=2)),
     ("engine-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("engine", -1, 66, 3)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
@@ -31,8 +29,7 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "server-norings", "engine-rr", "engine-bufs", "server-bufs4",
-                                  "server-retrieve", "engine-prio1", "engine-handover1", "engine-ahead0",
-                                  "server-gpuloads1", "engine-gpuloads1-priohigh", "engine-gpuloads"])
+                                  "server-retrieve", "engine-prio1", "engine-handover1", "engine-ahead0"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
