@@ -622,8 +622,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     t0_ev.record(stream)
     if backend is not None:
         backend.side.wait_event(t0_ev)
-    if serial is None:
-        serial = width == 0  # chunk-major: one request after another (``serial``: a layer-major arm served so too)
+    serial = served_one_after_another(width, serial)
     submitted = 0
 
     def submit_next() -> None:
@@ -737,11 +736,26 @@ def parse_widths(text: str) -> list[int]:
     return [AUTO if w == "auto" else int(w) for w in text.split(",") if w]
 
 
-def arm_name(placement: str | None, width: int | None, serial: bool = False) -> str:
+def served_one_after_another(width: int | None, serial: bool | None) -> bool:
+    """Whether an arm's requests are loaded one after another (the next when the one before completed): chunk-major's
+    always, a layer-major width's when ``serial`` says so (``--serial-widths``); None: the width's own order."""
+    return width == 0 if serial is None else serial and width is not None
+
+
+def arm_name(placement: str | None, width: int | None, serial: bool | None = False) -> str:
     if width is None:
         return "resident"
     name = f"{placement}/" + ("chunk" if width == 0 else "auto" if width == AUTO else f"w{width}")
     return name + SERIAL_SUFFIX if serial else name
+
+
+def concurrency_arms(placements: list[str], widths: list[int],
+                     serial_widths: list[int]) -> list[tuple[str | None, int | None, bool | None]]:
+    """(placement, width, serial) of each arm: resident first, then every placement's widths with ``serial`` None (a
+    width's own order: chunk-major's requests one after another, layer-major's together), then the layer-major
+    ``serial_widths`` served one after another (True)."""
+    return ([(None, None, None)] + [(pl, w, None) for pl in placements for w in widths]
+            + [(pl, w, True) for pl in placements for w in serial_widths])
 
 
 SERIAL_SUFFIX = "-serial"
@@ -896,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
                     first_use = placements[::-1] if args.first_use == "reversed" else placements
                     fres["verified"] = {f"{pl}/w{w}": verify(rig, client, model, pl, w, truth, 256)
                                         for pl in first_use for w in sorted({0, 1, max(widths), *({AUTO} & set(widths))})}
-                    arms = [(None, None, False)] + [(pl, w, False) for pl in placements for w in widths]
+                    arms = concurrency_arms(placements, widths, [])
                     fres["concurrency_1"] = {}
                     for new in news:
                         run_arm(rig, client, model, placements[0], widths[0], 1, new)  # warm this size's kernels
@@ -924,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}
-                    conc_arms = arms + [(pl, w, True) for pl in placements for w in serial_widths]
+                    conc_arms = concurrency_arms(placements, widths, serial_widths)
                     for conc in concs:
                         runs = {arm_name(*arm): [] for arm in conc_arms}
                         for rep in range(args.concurrency_reps):

@@ -33,3 +33,10 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)
+
+
+def test_chunk_major_is_served_one_request_after_another_at_concurrency_and_a_layer_major_width_only_if_asked() -> None:
+    arms = ttft.concurrency_arms(["engine"], [0, 4, ttft.AUTO], [4])
+    served = {ttft.arm_name(pl, w, serial): ttft.served_one_after_another(w, serial) for pl, w, serial in arms}
+    assert served == {"resident": False, "engine/chunk": True, "engine/w4": False, "engine/auto": False,
+                      "engine/w4-serial": True}
