@@ -41,6 +41,7 @@ transfer time and compute the resident arm, both measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -962,10 +963,18 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:
                     result["errors"][fmt] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
                     print(f"[{fmt}] FAILED: {exc}", file=sys.stderr)
+                    traceback.print_exc(file=sys.stderr)
                 finally:
-                    close_rig(rig)
+                    try:
+                        close_rig(rig)
+                    except Exception as exc:  # a CUDA error is sticky: the formats after it fail too, but say so
+                        result["errors"][f"{fmt}/close"] = f"{type(exc).__name__}: {exc}"
+                        print(f"[{fmt}] closing FAILED: {exc}", file=sys.stderr)
                     del rig
+                    gc.collect()
                     torch.cuda.empty_cache()
+                    # what the next format starts with: the model's weights, unless a format's memory outlived it
+                    result.setdefault("gpu_gib_after_format", {})[fmt] = round(torch.cuda.memory_allocated() / 2**30, 2)
                 print(f"[{fmt}] {time.perf_counter() - t_fmt:.1f} s", file=sys.stderr, flush=True)
         finally:
             client.close()
