@@ -348,7 +348,11 @@ class CudaTransferEngine:
                     return slot
             # Grown on demand and kept: the first transfers of a process pay the allocations.
             host = torch.empty(max(host_words, 1 << 15), dtype=torch.int64, pin_memory=True)
-            dev = torch.empty(max(dev_words, 3 << 15), dtype=torch.int64, device=self.device)
+            # From this copier's kernel stream, which uploads and reads the table: allocated on the calling
+            # thread's stream (the engine's, when a load is planned on its thread), it could be a block the
+            # engine just freed with its kernels still queued, which would then overwrite the table.
+            with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+                dev = torch.empty(max(dev_words, 3 << 15), dtype=torch.int64, device=self.device)
             done = self._event()
             slot = _TableSlot(host, dev, done, done.cuda_event)
             self._table_slots.append(slot)

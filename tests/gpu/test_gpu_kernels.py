@@ -168,6 +168,28 @@ def test_staging_is_sized_to_the_slice_not_to_all_layers(l1):
     assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:])
 
 
+def test_a_token_table_is_never_memory_the_planning_threads_stream_just_freed(l1):
+    """A load planned on the engine's thread leases a token-table slot; one made then must come from the copier's
+    own kernel stream. Allocated on the engine's stream, it could be a block the engine had just freed with kernels
+    still queued to write it, which would overwrite the table under the scatter kernel (seen: cudaErrorIllegalAddress
+    when chunk-major loads were planned between the engine's steps)."""
+    cache = make_cache("vllm-LBNHC", "bfloat16", num_blocks=12)
+    engine = make_engine(cache, l1, "staged")
+    truth = cache.random_kv(TOKENS, seed=11)
+    objects = store_objects(l1, cache, truth)
+    dst = shuffled_blocks(0, 10, 6)
+    freed = torch.empty(3 << 15, dtype=torch.int64, device="cuda")  # a slot's size, on the engine's stream
+    freed_at = freed.data_ptr()
+    del freed  # back in the engine stream's pool: the next allocation of this size there gets it
+    assert not engine._table_slots
+    planner.run_transfer(engine.executor(objects), retrieve_job(cache, objects, dst), 1)
+    engine.synchronize()
+    assert engine._table_slots and all(slot.dev.data_ptr() != freed_at for slot in engine._table_slots)
+    again = torch.empty(3 << 15, dtype=torch.int64, device="cuda")
+    assert again.data_ptr() == freed_at  # the block was there to take: the check above was not vacuous
+    assert cache.read(dst, SKIP, TOKENS).equal(truth[:, :, SKIP:])
+
+
 @pytest.mark.parametrize("buffers", [2, 3, 4])
 def test_any_number_of_staging_buffers_moves_the_same_bytes(l1, buffers):
     """The copies take turns on ``staging_buffers`` buffers. One-layer buffers split every slice into pieces of a
