@@ -110,12 +110,18 @@ def measure_raw_zmq(reps: int, request_bytes: int = 70_000) -> dict[str, Any]:
             "round_trip_ms": stats([(t + b) * 1e3 for t, b in zip(there, back)])}
 
 
+def copier_engine(worker: Any) -> Any:
+    """An engine-placement worker's ``CudaTransferEngine`` (None for a server-placement one, which copies in the
+    server's process)."""
+    copier = getattr(worker, "_copier", None)
+    return None if copier is None else copier.engine
+
+
 def wait_pool_registered(worker: Any, timeout: float = 600.0) -> float | None:
     """An engine-placement worker registers the server's pool for DMA in the background once registered itself:
     wait for that, so that what is timed next copies from registered memory; how long it took (None for a worker
     that copies nothing itself)."""
-    copier = getattr(worker, "_copier", None)
-    pinning = getattr(getattr(copier, "engine", None), "pinning", None)
+    pinning = getattr(copier_engine(worker), "pinning", None)
     if pinning is None:
         return None
     if not pinning.wait(timeout) or pinning.error is not None:

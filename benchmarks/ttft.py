@@ -59,6 +59,8 @@ from kvstrata.core.engine.slice_width import AUTO
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from transfer import copier_engine, device_info, wait_pool_registered  # noqa: E402  (a sibling script)
+
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
 LOCATE_SUFFIX = "-retrieve"
 """A engine placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
@@ -432,12 +434,6 @@ def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int)
     return out
 
 
-def copier_engine(worker: Any) -> Any:
-    """An engine-placement arm's ``CudaTransferEngine`` (None for the server's arms, which copy in its process)."""
-    copier = getattr(worker, "_copier", None)
-    return None if copier is None else copier.engine
-
-
 def prewarm(engine: Any, what: str, slice_bytes: int) -> None:
     """Diagnostic (``--prewarm``): allocate an arm's lazily grown token table and/or staging buffers now, on its
     copier's kernel stream, instead of at its first transfer on the enqueuing thread's stream."""
@@ -490,7 +486,6 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
     from kvstrata.native.cuda_executor import ENGINE_COPY_PRIORITY, NO_DIRECT_COPIES, CudaTransferConfig
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
-    from transfer import wait_pool_registered
 
     nb = prefix // s.block
     cache = GpuKVCache(fmt, num_layers=s.layers, num_heads=s.kv_heads, head_size=s.head, dtype="bfloat16",
@@ -817,14 +812,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.evaluate) as f:
             result = json.load(f)
         result["targets"] = evaluate(result, result["config"]["placements"], result["config"]["widths"])
-        with open(args.evaluate, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(result, args.evaluate)
         return 0
     if not torch.cuda.is_available():
         print("benchmarks/ttft.py needs a CUDA device", file=sys.stderr)
         return 2
     from provenance import measured_commit
-    from transfer import device_info
 
     from kvstrata.core.store.keys import CacheKey
     from kvstrata.server_process import ServerProcess
@@ -970,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as exc:  # a CUDA error is sticky: the formats after it fail too, but say so
                         result["errors"][f"{fmt}/close"] = f"{type(exc).__name__}: {exc}"
                         print(f"[{fmt}] closing FAILED: {exc}", file=sys.stderr)
+                    write_result(result, args.out)  # what ran so far, before freeing (a sticky error can abort there)
                     del rig
                     gc.collect()
                     torch.cuda.empty_cache()
@@ -978,12 +972,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{fmt}] {time.perf_counter() - t_fmt:.1f} s", file=sys.stderr, flush=True)
         finally:
             client.close()
-    result["targets"] = evaluate(result, placements, widths)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result["targets"], indent=1))
+    try:
+        result["targets"] = evaluate(result, placements, widths)
+    except Exception as exc:  # e.g. no chunk-major arm to judge against: the measurements are still written
+        result["errors"]["evaluate"] = f"{type(exc).__name__}: {exc}"
+        print(f"evaluating FAILED: {exc}", file=sys.stderr)
+    write_result(result, args.out)
+    print(json.dumps(result.get("targets"), indent=1))
     return 0 if not result["errors"] else 1
+
+
+def write_result(result: dict[str, Any], path: str) -> None:
+    """Write the run's JSON (replacing the file whole): after each format, so that a run stopped later keeps
+    what it measured, and at the end with the targets."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -> dict[str, Any]:
