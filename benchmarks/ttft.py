@@ -435,14 +435,13 @@ def probe_arms(rig: FormatRig, client: Any, model: Decoder, new: int, reps: int)
 
 
 def prewarm(engine: Any, what: str, slice_bytes: int) -> None:
-    """Diagnostic (``--prewarm``): allocate an arm's lazily grown token table and/or staging buffers now, on its
-    copier's kernel stream, instead of at its first transfer on the enqueuing thread's stream."""
-    with torch.cuda.stream(engine.stream):
-        if what in ("tables", "both"):
-            engine.release_table(engine._lease_table(1 << 15, 3 << 15))
-        if what in ("staging", "both"):
-            for b in range(engine.config.staging_buffers):
-                engine.staging(b, min(slice_bytes, engine.config.staging_bytes))
+    """Diagnostic (``--prewarm``): allocate an arm's lazily grown token table and/or staging buffers now instead of at
+    its first transfer (both come from its copier's kernel stream either way)."""
+    if what in ("tables", "both"):
+        engine.release_table(engine._lease_table(1 << 15, 3 << 15))
+    if what in ("staging", "both"):
+        for b in range(engine.config.staging_buffers):
+            engine.staging(b, min(slice_bytes, engine.config.staging_bytes))
 
 
 # --- one engine format, its workers and runs --------------------------------------------
