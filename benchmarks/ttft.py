@@ -623,7 +623,11 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     def submit_next() -> None:
         nonlocal submitted
         i = submitted
+        if submit_profiler is not None:
+            submit_profiler.enable()
         worker.submit_retrieve(rids[i], keys[i], [reqs[i].blocks], layers_per_slice=width, located=located[i])
+        if submit_profiler is not None:
+            submit_profiler.disable()
         submitted += 1
 
     released: list[int] = []
@@ -690,6 +694,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
             out["last_enqueued_ms"] = [(r.last_slice_at - t0) * 1e3 for r in recs]
         out["transfer_ms"] = [(r.completed_at - t0) * 1e3 for r in recs]
         out["widths"] = [r.layers_per_slice for r in recs]  # what an auto arm chose
+        out["stages_ms"] = [load_stages(r) for r in recs]
     torch.cuda.synchronize()
     if timeline:
         if backend is not None:
@@ -700,6 +705,46 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
                          for k, v in probe.marks.items()}
         probe.marks = None
     return out
+
+
+LOAD_STAGES = ("located_at", "planned_at", "first_slice_at", "last_slice_at", "released_at", "completed_at")
+
+
+def load_stages(rec: Any) -> dict[str, float]:
+    """When each step of a load ended, in ms after its submit (engine placement: from the LOOKUP's locations to the
+    first and last slice handed to the native thread, the release and the settle)."""
+    return {name.removesuffix("_at"): round((getattr(rec, name) - rec.submitted_at) * 1e3, 3)
+            for name in LOAD_STAGES if getattr(rec, name, None) is not None}
+
+
+def profile_submits(rig: FormatRig, client: Any, model: Decoder, new: int, widths: list[int],
+                    reps: int) -> dict[str, Any]:
+    """``--profile-submit``: each engine-placement arm's ``widths`` ``reps`` more times, the engine thread's submit
+    under cProfile: where the engine's thread spends the time before it can release a request."""
+    import cProfile
+    import io
+    import pstats
+
+    global submit_profiler
+    out: dict[str, Any] = {}
+    for placement in rig.workers:
+        if copier_engine(rig.workers[placement]) is None:
+            continue
+        for width in widths:
+            submit_profiler = cProfile.Profile()
+            try:
+                runs = [run_arm(rig, client, model, placement, width, 1, new) for _ in range(reps)]
+            finally:
+                prof, submit_profiler = submit_profiler, None
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            stages = {k: statistics.median(r["stages_ms"][0][k] for r in runs) for k in runs[0]["stages_ms"][0]}
+            out[arm_name(placement, width)] = {"stages_ms": stages, "profile": text.getvalue()}
+    return out
+
+
+submit_profiler: Any = None
+"""``--profile-submit``: the profiler the engine thread's submits run under (None: not profiled)."""
 
 
 def verify(rig: FormatRig, client: Any, model: Decoder, placement: str, width: int, truth: torch.Tensor,
@@ -790,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-copies", type=int, default=0, metavar="REPS",
                    help="diagnostic: after each size's runs at one request, run every engine-placement arm at "
                         "width 1 REPS more times with its copies and scatters bracketed by timing events")
+    p.add_argument("--profile-submit", type=int, default=0, metavar="REPS",
+                   help="diagnostic: after each size's runs at one request, run every engine-placement width REPS more "
+                        "times with the engine thread's submit under cProfile (its top functions and each load "
+                        "step's median time go into the JSON)")
     p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
                    "of a server mechanism: run once with and once without, in both orders)")
     p.add_argument("--engine-loop", choices=sorted(ENGINE_LOOPS), default="sleep",
@@ -861,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
-                   "prewarm": args.prewarm, "probe_copies": args.probe_copies, "server_args": args.server_args,
+                   "prewarm": args.prewarm, "probe_copies": args.probe_copies, "profile_submit": args.profile_submit, "server_args": args.server_args,
                    "shape": args.shape, "model": s.describe(),
                    "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs,
                    "formats_skipped": formats_skipped},
@@ -919,9 +968,16 @@ def main(argv: list[str] | None = None) -> int:
                                       if "transfer_ms" in rs[0] else {}),
                                    **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
                                       if "last_enqueued_ms" in rs[0] else {}),
+                                   **({"stages_ms": {k: round(statistics.median(r["stages_ms"][0].get(k, float("nan"))
+                                                                               for r in rs), 3)
+                                                     for k in rs[0]["stages_ms"][0]}}
+                                      if "stages_ms" in rs[0] else {}),
                                    **({"widths": sorted({w for r in rs for w in r["widths"]})}
                                       if name.endswith("/auto") else {})}
                             for name, rs in runs.items()}
+                        if args.profile_submit:
+                            fres.setdefault("submit_profiles", {})[str(new)] = profile_submits(
+                                rig, client, model, new, [w for w in widths if w], args.profile_submit)
                         if args.probe_copies:
                             fres.setdefault("probed", {})[str(new)] = probe_arms(rig, client, model, new,
                                                                                  args.probe_copies)
