@@ -779,6 +779,7 @@ class CudaExecutor:
         scatter_shape = (n_tok, lay.kv_size, lay.num_layers)
         scatter_tail = (e.row_bytes, lay.head_bytes, lay.head_stride)
         words: list[int] = []
+        marks_at: list[int] = []
         with e._stage_lock:
             n_buffers = len(e._used)
             stages = [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)]
@@ -801,8 +802,10 @@ class CudaExecutor:
                     words += scatter_tail
                     words += (vec, e.max_ctas, e.index, kernel_s, OP_RECORD_EVENT, 2, e._idle_h[b], kernel_s)
                     e._used[b] = True
-                words += (OP_RECORD_EVENT, 2, event, kernel_s, OP_MARK, 1, 0)
-        return issuer.record_ops(np.asarray(words, dtype=np.int64), len(slices))
+                words += (OP_RECORD_EVENT, 2, event, kernel_s)
+                marks_at.append(len(words))
+                words += (OP_MARK, 1, 0)
+        return issuer.record_ops(np.asarray(words, dtype=np.int64), marks_at)
 
     def _gather_staged(self, job: TransferJob) -> None:
         """Engine -> staging (kernel stream) -> pinned L1 (copy stream), double-buffered across calls.
@@ -924,6 +927,8 @@ class CudaLocalCopier:
                                          pin_in_background=True)
         self.issuer: LoadIssuer | None = None
         """Issues what the executors plan (None in torch mode, whose torch calls run as they are made)."""
+        self._spare_events: list[torch.cuda.Event] = []
+        """Slice events no slice refers to any more (:class:`IssuedSlice` gives its event back when dropped)."""
         if self.engine.ext is not None:
             self.issuer = LoadIssuer(self.engine.ext, device_index)
             self.engine.ext = self.issuer
@@ -953,10 +958,10 @@ class CudaLocalCopier:
                 event = torch.cuda.Event()
                 event.record(e.stream)
             return event
-        event = e._event()  # its handle exists now; the program records it after the slice's copies
+        event = self._slice_event()  # its handle exists; the program records it after the slice's copies
         with self.issuer.program():  # the slice's own program (joined), or one of its own if called outside
             self.issuer.event_record(event.cuda_event, e.stream.cuda_stream)
-            return IssuedSlice(self.issuer, self.issuer.mark(), event)
+            return IssuedSlice(self.issuer, self.issuer.mark(), event, self._spare_events.append)
 
     def enqueue_slices(self, executor: Any, job: TransferJob,
                        slices: Sequence[tuple[int, int]]) -> "list[IssuedSlice | torch.cuda.Event]":
@@ -968,10 +973,19 @@ class CudaLocalCopier:
                 executor.scatter(job, start, count)
                 completions.append(self.mark_slice(executor))
             return completions
-        events = [self.engine._event() for _ in slices]
+        events = [self._slice_event() for _ in slices]
         with self.issuer.program():
             cells = executor.scatter_slices(job, slices, [event.cuda_event for event in events])
-        return [IssuedSlice(self.issuer, cell, event) for cell, event in zip(cells, events)]
+        recycle = self._spare_events.append
+        return [IssuedSlice(self.issuer, cell, event, recycle) for cell, event in zip(cells, events)]
+
+    def _slice_event(self) -> torch.cuda.Event:
+        """An event for a slice: one a finished slice gave back, else a new one. Creating one through torch (its
+        handle exists only once recorded) costs microseconds, once per slice of every load otherwise."""
+        try:
+            return self._spare_events.pop()
+        except IndexError:
+            return self.engine._event()
 
     def finish(self, last_completion: "IssuedSlice | torch.cuda.Event | None") -> None:
         if last_completion is not None:
