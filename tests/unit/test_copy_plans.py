@@ -196,3 +196,29 @@ def test_a_loads_slices_in_one_program_are_the_ops_of_planning_them_one_by_one(w
         assert programs[0].tolist() == programs[1].tolist()
     finally:
         cache.close()
+
+
+def test_marks_are_numbered_in_the_order_they_were_written_across_parts_and_programs() -> None:
+    """Each MARK op's number word is the number its cell says, counting on across programs, wherever in a part
+    the mark stands and whatever the other words hold (a row's word may equal the MARK op code)."""
+    from kvstrata.native.load_issuer import OP_MARK, OP_MEMCPY2D, OP_RECORD_EVENT
+
+    issuer = LoadIssuer(types.SimpleNamespace(LoadIssuer=RecordingNative), 0)
+    cells = []
+    for _ in range(2):
+        with issuer.program():
+            issuer.event_record(5, 11)
+            cells.append(issuer.mark())
+            row = [OP_MARK, 1, OP_MARK, 1, OP_MARK, 1]  # a copy job whose words look like marks
+            words = [OP_MEMCPY2D, 8, 12, 1, *row, OP_MARK, 1, 0, OP_RECORD_EVENT, 2, 6, 11, OP_MARK, 1, 0]
+            cells += issuer.record_ops(np.asarray(words, dtype=np.int64), [10, 17])
+            cells.append(issuer.mark())
+    assert [c[0] for c in cells] == list(range(1, 9))
+    numbers = []
+    for program in issuer._native.programs:
+        i = 0
+        while i < len(program):
+            if program[i] == OP_MARK:
+                numbers.append(int(program[i + 2]))
+            i += 2 + int(program[i + 1])
+    assert numbers == list(range(1, 9))
