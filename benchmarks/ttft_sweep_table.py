@@ -1,5 +1,5 @@
 """The tables of a ``benchmarks/ttft_sweep.sh`` run: every cell's share of the overlap ceiling, concurrency against
-chunk-major, and what a spinning engine thread does to a load's completion.
+chunk-major, what a spinning engine thread does to a load's completion, and where a load's time goes.
 
     python benchmarks/ttft_sweep_table.py DIR [--out DIR/table.md]
 """
@@ -89,6 +89,37 @@ def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def time_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """Where a width-1 load's first-token time goes beyond compute alone, from each run's timeline (one request,
+    the GPU's per-layer marks of the engine's stream, engine placement against resident, same run): until layer 0
+    may be read, the layers' compute running longer while the copies run, the stream waiting between layers."""
+    out = ["| shape | prefix | loop | format | new | resident ms | width 1 ms | to layer 0 | layers computed slower "
+           "| waits between layers | rest |", "|" + " --- |" * 11]
+    for r in runs:
+        c = r["config"]
+        for fmt, fres in sorted(r["formats"].items()):
+            lines = fres.get("timeline", {})
+            if "engine" not in lines or "resident" not in lines:
+                continue
+            eng, res = lines["engine"], lines["resident"]
+            parts = [timeline_parts(x["timeline"]) for x in (eng, res)]
+            total = eng["ttft_ms"][0] - res["ttft_ms"][0]
+            first, slower, waits = (a - b for a, b in zip(*parts))
+            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | 1024 | "
+                       f"{res['ttft_ms'][0]:.2f} | {eng['ttft_ms'][0]:.2f} | {first:+.2f} | {slower:+.2f} | "
+                       f"{waits:+.2f} | {total - first - slower - waits:+.2f} |")
+    return out
+
+
+def timeline_parts(marks: dict[str, list[float]]) -> tuple[float, float, float]:
+    """(layer 0 usable, the layers' compute summed, the gaps between one layer's end and the next one's start) in ms,
+    from a timeline's ``usable`` and ``computed`` marks."""
+    usable, computed = marks["usable"], marks["computed"]
+    compute = sum(c - u for u, c in zip(usable, computed))
+    gaps = sum(u - c for u, c in zip(usable[1:], computed))
+    return usable[0], compute, gaps
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("directory")
@@ -103,7 +134,9 @@ def main() -> int:
                       "## Requests arriving together (256 new tokens each): mean first-token time against chunk-major",
                       "", *concurrency_rows(runs), "",
                       "## A spinning engine thread: load completion (engine placement, one request)", "",
-                      *spin_rows(runs), ""])
+                      *spin_rows(runs), "",
+                      "## One request, width 1: where the time beyond compute alone goes (ms, the timeline run)", "",
+                      *time_rows(runs), ""])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
