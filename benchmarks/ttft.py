@@ -52,6 +52,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstrata.core.engine.slice_width import AUTO
@@ -743,6 +744,76 @@ def profile_submits(rig: FormatRig, client: Any, model: Decoder, new: int, width
     return out
 
 
+def compute_under(rig: FormatRig, model: Decoder, new: int, reps: int) -> dict[str, Any]:
+    """``--interference``: the resident arm's step (one request's compute, no transfer, no layer waits), GPU time, alone
+    and with one request's worth of a load's GPU work beside it on the engine-placement copier's streams:
+
+    * ``copies``: the copy engine's host-to-device copies alone, one layer's bytes a copy from the pool into a
+      scratch buffer on the copy stream, as a load's pieces are;
+    * ``copies+kernels``: each layer's copy followed, on the kernel stream, by an SM pass that reads those bytes and
+      writes as many elsewhere, as the scatter kernel does, the copy engine waiting for the kernel before it reuses
+      one of two halves (the load's staging hand-over).
+
+    Tells which part of a load slows the compute the engine runs beside it (the timelines' "layers computed slower").
+    The bytes are not a cache's: nothing is checked, only timed."""
+    e = copier_engine(rig.workers.get("engine"))
+    if e is None:
+        return {}
+    s = model.s
+    prefix = len(rig.requests[0].blocks) * s.block
+    per_layer = s.kv_planes * prefix * s.kv_heads * s.head * 2
+    pool_host, pool_size, _ = e._pool_range
+    if pool_size < per_layer * s.layers:
+        return {"skipped": f"the pool ({pool_size} bytes) is smaller than one request's {per_layer * s.layers}"}
+    halves = torch.empty(2, per_layer // 4, dtype=torch.int32, device="cuda")
+    out = torch.empty(per_layer // 4, dtype=torch.int32, device="cuda")
+    filled = [torch.cuda.Event() for _ in range(s.layers)]
+    emptied = [torch.cuda.Event() for _ in range(s.layers)]
+    copy_s = e.copy_stream
+    reader = rig.requests[0].reader
+
+    def background(kind: str) -> None:
+        for layer in range(s.layers):
+            half = halves[layer % 2]
+            if kind == "copies+kernels" and layer >= 2:
+                copy_s.wait_event(emptied[layer - 2])
+            rows = np.asarray([[half.data_ptr(), per_layer, pool_host + layer * per_layer, per_layer, per_layer, 1]],
+                              dtype=np.int64)
+            e.ext.memcpy2d_runs(rows.ctypes.data, 1, e.index, copy_s.cuda_stream)  # issued when it returns
+            if kind == "copies+kernels":
+                filled[layer].record(copy_s)
+                e.stream.wait_event(filled[layer])
+                with torch.cuda.stream(e.stream):
+                    torch.bitwise_xor(half, 0, out=out)
+                emptied[layer].record(e.stream)
+
+    def step_ms() -> float:
+        x = torch.randn(new, s.hidden, device="cuda", dtype=torch.bfloat16)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for layer in range(s.layers):
+            x = model.layer(layer, x, [reader(layer)], new)
+        model.logits(x, 1, new)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    kinds = ("alone", "copies", "copies+kernels")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    step_ms()  # warm
+    for rep in range(reps):
+        for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+            torch.cuda.synchronize()
+            if kind != "alone":
+                background(kind)
+            times[kind].append(step_ms())
+            torch.cuda.synchronize()
+    result: dict[str, Any] = {k: summarize(v) for k, v in times.items()}
+    alone = result["alone"]["median"]
+    result["slowed_ms"] = {k: round(result[k]["median"] - alone, 3) for k in kinds[1:]}
+    return result
+
+
 submit_profiler: Any = None
 """``--profile-submit``: the profiler the engine thread's submits run under (None: not profiled)."""
 
@@ -839,6 +910,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnostic: after each size's runs at one request, run every engine-placement width REPS more "
                         "times with the engine thread's submit under cProfile (its top functions and each load "
                         "step's median time go into the JSON)")
+    p.add_argument("--interference", type=int, default=0, metavar="REPS",
+                   help="diagnostic: after each size's runs at one request, time the resident step REPS times alone, "
+                        "beside a load's copy-engine copies, and beside those copies plus an SM pass over each layer "
+                        "(compute_under in the JSON)")
     p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
                    "of a server mechanism: run once with and once without, in both orders)")
     p.add_argument("--engine-loop", choices=sorted(ENGINE_LOOPS), default="sleep",
@@ -910,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
-                   "prewarm": args.prewarm, "probe_copies": args.probe_copies, "profile_submit": args.profile_submit, "server_args": args.server_args,
+                   "prewarm": args.prewarm, "probe_copies": args.probe_copies, "profile_submit": args.profile_submit, "interference": args.interference, "server_args": args.server_args,
                    "shape": args.shape, "model": s.describe(),
                    "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs,
                    "formats_skipped": formats_skipped},
@@ -978,6 +1053,9 @@ def main(argv: list[str] | None = None) -> int:
                         if args.profile_submit:
                             fres.setdefault("submit_profiles", {})[str(new)] = profile_submits(
                                 rig, client, model, new, [w for w in widths if w], args.profile_submit)
+                        if args.interference:
+                            fres.setdefault("compute_under", {})[str(new)] = compute_under(rig, model, new,
+                                                                                          args.interference)
                         if args.probe_copies:
                             fres.setdefault("probed", {})[str(new)] = probe_arms(rig, client, model, new,
                                                                                  args.probe_copies)

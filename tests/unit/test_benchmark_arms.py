@@ -40,3 +40,10 @@ def test_chunk_major_is_served_one_request_after_another_at_concurrency_and_a_la
     served = {ttft.arm_name(pl, w, serial): ttft.served_one_after_another(w, serial) for pl, w, serial in arms}
     assert served == {"resident": False, "engine/chunk": True, "engine/w4": False, "engine/auto": False,
                       "engine/w4-serial": True}
+
+
+def test_a_timeline_splits_into_layer_0_the_layers_compute_and_the_waits_between_them() -> None:
+    import ttft_sweep_table
+
+    # layer 0 usable at 2.0, computed 2.0-3.0; layer 1 waits 0.5 ms, computed 3.5-5.0
+    assert ttft_sweep_table.timeline_parts({"usable": [2.0, 3.5], "computed": [3.0, 5.0]}) == (2.0, 2.5, 0.5)
