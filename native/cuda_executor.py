@@ -756,8 +756,8 @@ class CudaExecutor:
         cells (see :class:`~kvstrata.native.load_issuer.IssuedSlice`).
 
         In staged mode the ops :meth:`scatter` would record slice by slice are written straight into one part of
-        the program, a few integer operations per staging piece, so that a load's slices cost its planning thread
-        about as much as one slice. Elsewhere (kernel mode, hybrid layouts, direct copies) slice by slice."""
+        the program, a few integer operations per staging piece, not a planned call per op. Elsewhere (kernel mode,
+        hybrid layouts, direct copies) slice by slice."""
         e, lay, issuer = self.engine, self.engine.layout, self.engine.ext
         kernel_s = e.stream.cuda_stream
         if (e.config.mode != "staged" or lay.is_hybrid or not job.copies
