@@ -737,10 +737,15 @@ def profile_submits(rig: FormatRig, client: Any, model: Decoder, new: int, width
                 runs = [run_arm(rig, client, model, placement, width, 1, new) for _ in range(reps)]
             finally:
                 prof, submit_profiler = submit_profiler, None
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (cc, calls, tt, ct, callers)
+            top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:40]
             stages = {k: statistics.median(r["stages_ms"][0][k] for r in runs) for k in runs[0]["stages_ms"][0]}
-            out[arm_name(placement, width)] = {"stages_ms": stages, "profile": text.getvalue()}
+            out[arm_name(placement, width)] = {
+                "stages_ms": stages,
+                # per load: calls, own time and time with callees in microseconds, by own time
+                "profile_us_per_load": [[f"{os.path.basename(f)}:{line}({name})", round(calls / reps, 1),
+                                         round(tt * 1e6 / reps, 1), round(ct * 1e6 / reps, 1)]
+                                        for (f, line, name), (_, calls, tt, ct, _) in top]}
     return out
 
 
