@@ -718,6 +718,12 @@ def load_stages(rec: Any) -> dict[str, float]:
             for name in LOAD_STAGES if getattr(rec, name, None) is not None}
 
 
+def stage_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of each of the first load's steps (:func:`load_stages`) over one arm's runs."""
+    return {k: round(statistics.median(r["stages_ms"][0].get(k, float("nan")) for r in runs), 3)
+            for k in runs[0]["stages_ms"][0]}
+
+
 def profile_submits(rig: FormatRig, client: Any, model: Decoder, new: int, widths: list[int],
                     reps: int) -> dict[str, Any]:
     """``--profile-submit``: each engine-placement arm's ``widths`` ``reps`` more times, the engine thread's submit
@@ -739,9 +745,8 @@ def profile_submits(rig: FormatRig, client: Any, model: Decoder, new: int, width
                 prof, submit_profiler = submit_profiler, None
             stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (cc, calls, tt, ct, callers)
             top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:40]
-            stages = {k: statistics.median(r["stages_ms"][0][k] for r in runs) for k in runs[0]["stages_ms"][0]}
             out[arm_name(placement, width)] = {
-                "stages_ms": stages,
+                "stages_ms": stage_medians(runs),
                 # per load: calls, own time and time with callees in microseconds, by own time
                 "profile_us_per_load": [[f"{os.path.basename(f)}:{line}({name})", round(calls / reps, 1),
                                          round(tt * 1e6 / reps, 1), round(ct * 1e6 / reps, 1)]
@@ -1048,10 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
                                       if "transfer_ms" in rs[0] else {}),
                                    **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
                                       if "last_enqueued_ms" in rs[0] else {}),
-                                   **({"stages_ms": {k: round(statistics.median(r["stages_ms"][0].get(k, float("nan"))
-                                                                               for r in rs), 3)
-                                                     for k in rs[0]["stages_ms"][0]}}
-                                      if "stages_ms" in rs[0] else {}),
+                                   **({"stages_ms": stage_medians(rs)} if "stages_ms" in rs[0] else {}),
                                    **({"widths": sorted({w for r in rs for w in r["widths"]})}
                                       if name.endswith("/auto") else {})}
                             for name, rs in runs.items()}
