@@ -12,9 +12,13 @@ set -u
 base="${1:?base tree}"; out="${2:?out dir}"; name="${3:?name}"; script="${4:?script}"; shift 4
 mkdir -p "$out"
 base=$(cd "$base" && pwd); out=$(cd "$out" && pwd)
-if [[ ! -d /tmp/ab-base/kvstrata ]]; then
+# installed once per base tree: a later call with another base must not run the one installed before
+stamp=$(cd "$base" && find . -type f \( -name '*.py' -o -path './native/csrc/*' \) | sort | xargs cat | sha1sum)
+if [[ "$(cat /tmp/ab-base/.tree 2>/dev/null)" != "$stamp" ]]; then
+  rm -rf /tmp/ab-base
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ab-base "$base" >/dev/null \
     || { echo "tree_ab: installing the base tree $base failed"; exit 1; }
+  echo "$stamp" > /tmp/ab-base/.tree
 fi
 rc=0
 for n in 0 1 2 3; do
