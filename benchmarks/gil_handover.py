@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--out", default="benchmarks/results/gil-handover-cpu.json")
     args = p.parse_args(argv)
-    result: dict = {"benchmark": "gil_handover", "config": vars(args).copy(),
+    from provenance import measured_commit
+
+    result: dict = {"benchmark": "gil_handover", "commit": measured_commit(), "config": vars(args).copy(),
                     "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                                 "platform": platform.platform(), "switch_interval_s": sys.getswitchinterval()}}
     for name, handed in (("inline", False), ("handed", True)):
