@@ -4,6 +4,7 @@
 # a process can differ from the later ones: benchmarks/README.md). The head is this checkout (installed editable
 # here); the base is another commit exported into an ignored folder before the call and carried with it:
 #   rm -rf .ab/base && mkdir -p .ab/base && git archive BASE_COMMIT | tar -x -C .ab/base
+#   git rev-parse --short BASE_COMMIT > .ab/base/.commit   (the base runs record it; a copied tree has no git)
 #   bash benchmarks/tree_ab.sh .ab/base OUT_DIR NAME SCRIPT [ARGS...]
 # writes OUT_DIR/NAME-{0-base,1-head,2-head,3-base}.json (SCRIPT gets --out) and .txt. The base is installed into
 # /tmp/ab-base and put first on PYTHONPATH for its runs; both trees build the CUDA extension from their own
@@ -27,7 +28,7 @@ for n in 0 1 2 3; do
   if [[ $tree == base ]]; then
     # run from the installed base: a `python -m kvstrata` child (the server) imports from its working directory
     # first, and in a checkout that is the head's kvstrata/
-    (cd /tmp/ab-base && PYTHONPATH="/tmp/ab-base${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT_S:-120}" \
+    (cd /tmp/ab-base && KVSTRATA_COMMIT="$(cat "$base/.commit" 2>/dev/null)" PYTHONPATH="/tmp/ab-base${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT_S:-120}" \
       python3 "$base/$script" "$@" --out "$file.json" && python3 -c \
       "import kvstrata.core, sys; sys.exit(0 if kvstrata.core.__file__.startswith('/tmp/ab-base/') else 1)" \
       || { echo "tree_ab: the base run failed or did not import the base tree"; exit 1; }) > "$file.txt" 2>&1 \
