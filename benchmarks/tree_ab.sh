@@ -28,7 +28,8 @@ for n in 0 1 2 3; do
   if [[ $tree == base ]]; then
     # run from the installed base: a `python -m kvstrata` child (the server) imports from its working directory
     # first, and in a checkout that is the head's kvstrata/
-    (cd /tmp/ab-base && KVSTRATA_COMMIT="$(cat "$base/.commit" 2>/dev/null)" PYTHONPATH="/tmp/ab-base${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT_S:-120}" \
+    (cd /tmp/ab-base && KVSTRATA_COMMIT="$(cat "$base/.commit" 2>/dev/null)" \
+      PYTHONPATH="/tmp/ab-base${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT_S:-120}" \
       python3 "$base/$script" "$@" --out "$file.json" && python3 -c \
       "import kvstrata.core, sys; sys.exit(0 if kvstrata.core.__file__.startswith('/tmp/ab-base/') else 1)" \
       || { echo "tree_ab: the base run failed or did not import the base tree"; exit 1; }) > "$file.txt" 2>&1 \
