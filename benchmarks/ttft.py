@@ -594,6 +594,10 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     rids = [f"{rig.fmt}-{placement}-{width}-{tag}-{r.index}{owner}" for r in reqs]
     keys = [CacheKey.for_tokens(rid, r.prompt, model="llama") for rid, r in zip(rids, reqs)]
     located: list[Any] = [None] * conc
+    # Every measurement starts with the collector's young generations empty: otherwise a collection of several ms
+    # (seen inside a load's planning) lands in whichever measurement crosses its allocation threshold, and two
+    # source trees that allocate differently see it in different arms.
+    gc.collect()
     torch.cuda.synchronize()
     t_lookup = time.perf_counter()
     if width is not None:
@@ -994,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
-                   "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use,
+                   "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use, "gc_collect_before_each_measurement": True,
                    "prewarm": args.prewarm, "probe_copies": args.probe_copies, "profile_submit": args.profile_submit, "interference": args.interference, "server_args": args.server_args,
                    "shape": args.shape, "model": s.describe(),
                    "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs,
