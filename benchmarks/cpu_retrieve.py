@@ -69,8 +69,10 @@ def main() -> int:
     args = ap.parse_args()
     shape = LLAMA_8B
     nbytes = args.tokens * shape.kv_bytes_per_token()
+    from provenance import measured_commit
+
     result = {
-        "benchmark": "cpu_retrieve", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "benchmark": "cpu_retrieve", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": measured_commit(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads()},
