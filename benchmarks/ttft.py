@@ -951,6 +951,9 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = evaluate(result, result["config"]["placements"], result["config"]["widths"])
         write_result(result, args.evaluate)
         return 0
+    if 0 not in parse_widths(args.widths):
+        # found at the end of a run otherwise, when evaluating it ("evaluating FAILED: 'engine/chunk'")
+        raise SystemExit("--widths must include 0: every arm is measured against chunk-major (width 0)")
     if not torch.cuda.is_available():
         print("benchmarks/ttft.py needs a CUDA device", file=sys.stderr)
         return 2
