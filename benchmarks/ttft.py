@@ -1055,8 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
                                 runs[arm_name(pl, w)].append(run_arm(rig, client, model, pl, w, 1, new))
                         fres["concurrency_1"][str(new)] = {
                             name: {"ttft_ms": summarize([r["ttft_ms"][0] for r in rs]),
+                                   # per repetition too: one slow repetition (a collection, say) shows as itself
+                                   "ttft_ms_per_rep": [round(r["ttft_ms"][0], 3) for r in rs],
                                    **({"transfer_ms": summarize([r["transfer_ms"][0] for r in rs]),
-                                       "release_ms": summarize([r["release_ms"][0] for r in rs])}
+                                       "release_ms": summarize([r["release_ms"][0] for r in rs]),
+                                       "release_ms_per_rep": [round(r["release_ms"][0], 3) for r in rs]}
                                       if "transfer_ms" in rs[0] else {}),
                                    **({"last_enqueued_ms": summarize([r["last_enqueued_ms"][0] for r in rs])}
                                       if "last_enqueued_ms" in rs[0] else {}),
