@@ -62,6 +62,8 @@ def run_one(worker: Placement, client: CacheClient, engine: ReferenceEngine, pro
 
 
 def main() -> int:
+    from provenance import measured_commit  # a sibling script (benchmarks/ is first on the path when run)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
@@ -69,8 +71,6 @@ def main() -> int:
     args = ap.parse_args()
     shape = LLAMA_8B
     nbytes = args.tokens * shape.kv_bytes_per_token()
-    from provenance import measured_commit
-
     result = {
         "benchmark": "cpu_retrieve", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": measured_commit(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

@@ -951,7 +951,8 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = evaluate(result, result["config"]["placements"], result["config"]["widths"])
         write_result(result, args.evaluate)
         return 0
-    if 0 not in parse_widths(args.widths):
+    widths = parse_widths(args.widths)
+    if 0 not in widths:
         # found at the end of a run otherwise, when evaluating it ("evaluating FAILED: 'engine/chunk'")
         raise SystemExit("--widths must include 0: every arm is measured against chunk-major (width 0)")
     if not torch.cuda.is_available():
@@ -973,7 +974,6 @@ def main(argv: list[str] | None = None) -> int:
             formats.append(s.cache_format(f))
         except ValueError as exc:  # an engine format with no cache of this shape's kind: said in the result
             formats_skipped[f] = str(exc)
-    widths = parse_widths(args.widths)
     serial_widths = parse_widths(args.serial_widths)
     if 0 in serial_widths:
         raise SystemExit("--serial-widths: chunk-major (0) is always served one request after another")
