@@ -44,8 +44,9 @@ class LocalCopier(Protocol):
     # Optional (a copier whose slices are issued by a native thread):
     #   def enqueue_slices(self, executor, job, slices: Sequence[tuple[int, int]]) -> list[Any]
     # plans every (layer_start, layer_count) slice of a load at once and hands them over as one program; returns
-    # each slice's completion, as mark_slice would. The queue then plans a load's first slice alone (issued at
-    # once) and the rest in one call, instead of a program per slice. Without it, the queue goes slice by slice
+    # each slice's completion, as mark_slice would. The queue then plans a load's first layer alone (issued at
+    # once), the rest of its first slice in one call and every later slice in another, instead of a program per
+    # slice; ``slices`` need not start at layer 0 nor cover every layer. Without it, the queue goes slice by slice
     # (on the CPU a slice's copies run in its call, and a failure between slices stops the rest).
 
     def gather(self, spans: Sequence[tuple[int, int, int]], block_ids: Sequence[Sequence[int]]) -> Any:

@@ -17,11 +17,12 @@ Two threads, so that enqueuing never waits for a copy to finish:
   thread would make its copies wait until the interpreter lets that thread run: up to
   a switch interval, 5 ms, each time, while the engine's thread stays in Python).
   Otherwise ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply
-  (sent from the engine's thread at submit) and plans it. A load's first slice is planned
+  (sent from the engine's thread at submit) and plans it. A load's first layer is planned
   alone, inside the copier's ``slice_program``, which on a GPU hands its driver calls to
   the copier's native thread in one call (``kvstrata.native.load_issuer``), so it is on
-  its way before anything else is planned; the rest follow in one program (the copier's
-  ``enqueue_slices``), planned at a few integer operations a slice. Once handed over, no
+  its way before anything else is planned; the rest of its first slice, then every later
+  slice, follow in one program each (the copier's ``enqueue_slices``), planned at a few
+  integer operations a slice. Once handed over, no
   Python thread has to run for the slices to reach the GPU. Each slice's completion goes
   to the load's gate (on a GPU an event the engine's stream waits on once it is issued;
   on the CPU, where slices are planned one by one, the copy has run).
@@ -262,14 +263,15 @@ class TransferQueue:
         load.record.planned_at = time.perf_counter()
 
     def _enqueue_slices(self, load: QueuedLoad) -> None:
-        """Plan the slices of ``load``: its first alone, then the rest in one program where the copier can
-        (``enqueue_slices``), else one by one; record each slice's completion in the gate as it is planned."""
+        """Plan the slices of ``load``: in a few programs where the copier takes several slices in one
+        (``enqueue_slices``, see :meth:`_enqueue_in_programs`), else one by one; record each slice's completion in
+        the gate as it is planned."""
+        enqueue_slices = getattr(load.copier, "enqueue_slices", None)
+        if enqueue_slices is not None and not load.filling and not self._observer_active():
+            self._enqueue_in_programs(load, enqueue_slices)
+            return
         observer = self._slice_observer
-        enqueue_rest = getattr(load.copier, "enqueue_slices", None)
         for index, (start, count) in enumerate(load.slices):
-            if index == 1 and enqueue_rest is not None and not load.filling and not self._observer_active():
-                self._enqueue_rest(load, enqueue_rest)
-                return
             try:
                 if index == 0 and observer is not None:
                     observer(load.request_id, 0)  # outside any program: an observer may block (a test's hold)
@@ -292,20 +294,40 @@ class TransferQueue:
                 return
         load.record.last_slice_at = time.perf_counter()
 
-    def _enqueue_rest(self, load: QueuedLoad, enqueue_slices: Callable[..., list[Any]]) -> None:
-        """Plan every slice of ``load`` after its first in one program (the copier's ``enqueue_slices``): its first
-        slice already went to the GPU alone, so it is not held up by the planning of the others."""
-        rest = load.slices[1:]
+    def _enqueue_in_programs(self, load: QueuedLoad, enqueue_slices: Callable[..., list[Any]]) -> None:
+        """Hand ``load`` to the copier in at most three programs: its first layer alone, the rest of its first
+        slice, then every later slice at once (``enqueue_slices``).
+
+        The copy engine starts on layer 0 as soon as that one layer is planned: a wide first slice planned whole
+        keeps it idle meanwhile (chunk-major's first slice is every layer, each staging piece of it planned
+        before the first copy could start). The first slice is recorded in the gate before the later ones are
+        planned, so the engine may be released on it meanwhile."""
+        observer = self._slice_observer
+        (start, count), later = load.slices[0], load.slices[1:]
         try:
+            if observer is not None:
+                observer(load.request_id, 0)
             if load.gate.failure:
                 raise TransferAborted(load.gate.failure)
-            completions = enqueue_slices(load.executor, load.job, rest)
+            with load.copier.slice_program():
+                load.executor.scatter(load.job, start, 1)
+                completion = load.copier.mark_slice(load.executor)
+            load.record.first_slice_at = time.perf_counter()
+            if count > 1:
+                [completion] = enqueue_slices(load.executor, load.job, [(start + 1, count - 1)])
+            load.last_completion = completion
+            load.gate.record_slice(start, count, completion)
+            planner.slice_published(load.request_id, 0, observer)
+            if later:
+                if load.gate.failure:
+                    raise TransferAborted(load.gate.failure)
+                completions = enqueue_slices(load.executor, load.job, later)
+                for (first, layers), done in zip(later, completions):
+                    load.gate.record_slice(first, layers, done)
+                load.last_completion = completions[-1]
         except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
             self._stop(load, exc)
             return
-        for (start, count), completion in zip(rest, completions):
-            load.gate.record_slice(start, count, completion)
-        load.last_completion = completions[-1]
         load.record.last_slice_at = time.perf_counter()
 
     def _wait_landed(self, load: QueuedLoad, layers: int) -> None:

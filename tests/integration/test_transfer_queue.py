@@ -1,8 +1,10 @@
 """The engine placement's one transfer queue: concurrent loads' slices go one load after another."""
 
+import contextlib
 import threading
 import time
 
+import pytest
 
 from kvstrata.core.arrival.events import HostCopier, HostEventBackend
 from kvstrata.core.engine.engine_placement import EnginePlacement
@@ -172,5 +174,88 @@ def test_a_load_located_by_its_lookup_is_planned_on_the_engines_thread_at_submit
         worker.wait_all()
         assert record.failure is None
     finally:
+        worker.close()
+        engine.close()
+
+
+class _ProgramCopier(_GatedCopier):
+    """The gated CPU copies, with the programs of a copier whose slices a native thread issues: what each
+    ``slice_program`` and each ``enqueue_slices`` call was handed, as (kind, [(layer_start, layer_count)])."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.programs: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def executor(self, spans):
+        copier, inner = self, super().executor(spans)
+
+        class Recording:
+            def scatter(self, job, layer_start, layer_count):
+                copier.programs[-1][1].append((layer_start, layer_count))
+                inner.scatter(job, layer_start, layer_count)
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        return Recording()
+
+    @contextlib.contextmanager
+    def slice_program(self):
+        self.programs.append(("program", []))
+        yield
+
+    def enqueue_slices(self, executor, job, slices):
+        self.programs.append(("enqueue_slices", []))
+        completions = []
+        for start, count in slices:
+            executor.scatter(job, start, count)
+            completions.append(self.mark_slice(executor))
+        return completions
+
+
+class _ProgramBackend(_GatedBackend):
+    def engine_copier(self, layout, regions, pool, writable=False):
+        self.copier = _ProgramCopier(layout, list(regions), pool, completions=self.completions, landing=self.landing)
+        return self.copier
+
+
+@pytest.mark.parametrize("width", [0, 4])
+def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release_waits_for_the_whole_first_slice(
+        client, width):
+    """Where the copier takes several slices in one program (a GPU's native issuer), the first layer goes alone,
+    so the copy engine starts before the rest of a wide first slice is planned (chunk-major's is every layer);
+    the rest of the first slice and the later slices follow in one program each. The request is still released
+    only once its whole first slice has landed, and every layer lands byte-exact."""
+    tokens, layers = 64, SMALL_32.num_layers
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
+    backend = _ProgramBackend()
+    worker = EnginePlacement(client, 15, engine.layout, local_regions=engine.regions, event_backend=backend)
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=24 + width)
+        store_prompt(client, engine, prompt, instance_id=15)
+        key, dst = lookup_into_fresh_blocks(client, engine, f"programs-{width}", prompt)
+        worker.submit_retrieve(f"programs-{width}", key, [dst], layers_per_slice=width)
+        first = width or layers
+        expected = [("program", [(0, 1)]), ("enqueue_slices", [(1, first - 1)])]
+        if first < layers:
+            expected.append(("enqueue_slices", [(s, width) for s in range(first, layers, width)]))
+        record = worker.records[f"programs-{width}"]
+        deadline = time.monotonic() + 60  # only catches a hang
+        while record.last_slice_at is None:  # every slice handed to the copier
+            assert time.monotonic() < deadline, backend.copier.programs
+            time.sleep(0.001)
+        assert backend.copier.programs == expected
+        lead, first_slice = backend.completions[0], backend.completions[1]
+        lead.set()
+        assert worker.get_finished() == [], "released on the first layer's copy, before the first slice landed"
+        first_slice.set()
+        release_of(worker, f"programs-{width}")
+        backend.land_everything()
+        read_every_layer(worker, layers)
+        assert record.failure is None
+        assert engine.mismatched_layers(prompt, dst, 0, tokens) == []
+    finally:
+        backend.land_everything()
         worker.close()
         engine.close()
