@@ -137,6 +137,11 @@ def test_the_chain_hashes_uint32_ids_and_tags_pages_holding_wider_ones():
     assert chain_hex(narrow, 2) == [first.hex(), second.hex()]
     wide = [1, 2 ** 33]
     assert chain_hex(wide, 2) == [hashlib.sha256(b"\xff" + np.array(wide, "<i8").tobytes()).hexdigest()]
+    # a prompt with one wide page: only that page is tagged, its narrow neighbours are still uint32
+    mixed = [1, 2, -3, 4, 5]
+    tagged = hashlib.sha256(first + b"\xff" + np.array(mixed[2:4], "<i8").tobytes()).digest()
+    last = hashlib.sha256(tagged + np.array(mixed[4:], "<u4").tobytes()).digest()
+    assert chain_hex(mixed, 2) == [first.hex(), tagged.hex(), last.hex()]
     assert chain_hex([5] * 3, 2, salt="") == chain_hex([5] * 3, 2)  # an empty salt is none, as in SGLang
 
 
