@@ -262,6 +262,10 @@ class CudaTransferEngine:
         """Called before a staging buffer is replaced by a larger one: where GPU work is issued later than it is
         planned (:class:`~kvstrata.native.load_issuer.LoadIssuer`), what was planned on the old buffer must reach
         its stream first, since the allocator may hand its memory out again at once."""
+        self.copy_planned: Callable[[], None] = lambda: None
+        """Called once a staged slice's first host-to-staging copy is planned, before the host builds the slice's
+        token table: where GPU work is issued later than it is planned, that copy goes to the GPU at once
+        (:meth:`~kvstrata.native.load_issuer.LoadIssuer.hand_over`) instead of waiting for the table."""
         assert len(addrs) == L * kv
 
     # --- executors -------------------------------------------------------------------
@@ -742,6 +746,8 @@ class CudaExecutor:
                     e.ext.stream_wait_event(copy_s, e._idle_h[b])
                 e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
                 e.ext.event_record(e._filled_h[b], copy_s)
+                if first == layer_start:
+                    e.copy_planned()
                 table, vec = self._table(job, 0, count)
                 # kernel stream: staging -> engine layout, overlapping the next piece's copy
                 e.ext.stream_wait_event(kernel_s, e._filled_h[b])
@@ -928,6 +934,7 @@ class CudaLocalCopier:
             self.issuer = LoadIssuer(self.engine.ext, device_index)
             self.engine.ext = self.issuer
             self.engine.before_buffer_change = self.issuer.flush
+            self.engine.copy_planned = self.issuer.hand_over
         self.register_s = time.perf_counter() - t0
         pinning = self.engine.pinning
         log.info("engine-placement %s on cuda:%d: ready in %.3f s; %d MiB L1 pool%s %s",

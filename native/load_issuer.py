@@ -126,6 +126,17 @@ class LoadIssuer:
         self._local.program = _Program()
         self.wait_issued(cell[0])
 
+    def hand_over(self) -> None:
+        """Submit what this thread recorded so far and go on recording into a fresh program, without waiting for
+        the issue (unlike :meth:`flush`): a slice's first copy goes to the GPU while the host still plans the
+        slice's kernel. A no-op outside a program. Should the rest of the program fail, what was handed over still
+        runs: a copy into a staging buffer, which only this copier's later pieces use, in stream order."""
+        program = getattr(self._local, "program", None)
+        if program is None or not program.parts:
+            return
+        self._submit(program)
+        self._local.program = _Program()
+
     def issued(self, mark: int) -> bool:
         return mark != 0 and self._native.issued_mark() >= mark
 

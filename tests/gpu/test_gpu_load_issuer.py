@@ -52,6 +52,32 @@ def test_a_slice_planned_in_a_program_lands_only_after_the_program_is_submitted(
     assert torch.equal(dst.cpu(), src)
 
 
+def test_what_a_program_hands_over_is_issued_before_the_program_ends_and_the_rest_after_it(issuer):
+    """``hand_over`` (a staged slice's first copy, before its kernel is planned): the copy is issued and lands
+    while the program is still being recorded; what is recorded after it waits for the program's end."""
+    from kvstrata.native.load_issuer import IssuedSlice
+
+    stream = torch.cuda.Stream()
+    src = torch.arange(1 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    again = torch.zeros_like(dst)
+    rows, rows_again = _copy_row(dst, src), _copy_row(again, src)
+    first, second = _event(), _event()
+    with issuer.program():
+        issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
+        issuer.event_record(first.cuda_event, stream.cuda_stream)
+        copied = IssuedSlice(issuer, issuer.mark(), first)
+        issuer.hand_over()
+        copied.synchronize()  # inside the program: times out unless it was handed over
+        assert copied.query() and torch.equal(dst.cpu(), src)
+        issuer.memcpy_runs(rows_again.data_ptr(), 1, 0, stream.cuda_stream)
+        issuer.event_record(second.cuda_event, stream.cuda_stream)
+        rest = IssuedSlice(issuer, issuer.mark(), second)
+        assert rest.mark[0] == 0 and not rest.query()
+    rest.synchronize()
+    assert rest.mark[0] > copied.mark[0] and torch.equal(again.cpu(), src)
+
+
 def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer):
     """Each program overwrites the same bytes; the last submitted wins, whichever thread planned it."""
     import threading
