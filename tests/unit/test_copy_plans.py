@@ -145,7 +145,8 @@ def staged_engine(layout, staging_bytes: int):
 
     return types.SimpleNamespace(
         layout=layout, row_bytes=layout.token_bytes_per_layer, _job_row=row, _job_row_addr=row.ctypes.data,
-        config=CudaTransferConfig(staging_bytes=staging_bytes), ext=issuer, index=0, max_ctas=264,
+        config=CudaTransferConfig(staging_bytes=staging_bytes), ext=issuer, copy_planned=issuer.hand_over, index=0,
+        max_ctas=264,
         stream=types.SimpleNamespace(cuda_stream=11), copy_stream=types.SimpleNamespace(cuda_stream=12),
         planes=Buffer(1 << 48), layout_vec=16, dense_rows=False, _stage_lock=threading.Lock(), _piece=0,
         _used=[False, False], _idle_h=[21, 22], _filled_h=[31, 32], build_table=build_table,
