@@ -54,8 +54,8 @@ from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
 from kvstrata.native.host_pinning import PoolPinning, pinned_device_pointer
-from kvstrata.native.load_issuer import IssuedSlice, LoadIssuer
-from kvstrata.native.staged_program import PieceTemplate, StagedStreams, staged_slices_words
+from kvstrata.native.load_issuer import (OP_COPY, OP_MARK, OP_MEMCPY2D, OP_RECORD_EVENT, OP_WAIT_EVENT, IssuedSlice,
+                                         LoadIssuer)
 
 log = logging.getLogger(__name__)
 
@@ -762,8 +762,8 @@ class CudaExecutor:
         cells (see :class:`~kvstrata.native.load_issuer.IssuedSlice`).
 
         In staged mode the ops :meth:`scatter` would record slice by slice are written straight into one part of
-        the program, the pieces of one size as the rows of one array (:mod:`kvstrata.native.staged_program`), not a
-        planned call per op. Elsewhere (kernel mode, hybrid layouts, direct copies) slice by slice."""
+        the program, a few integer operations per staging piece, not a planned call per op. Elsewhere (kernel mode,
+        hybrid layouts, direct copies) slice by slice."""
         e, lay, issuer = self.engine, self.engine.layout, self.engine.ext
         kernel_s = e.stream.cuda_stream
         if (e.config.mode != "staged" or lay.is_hybrid or not job.copies
@@ -776,23 +776,39 @@ class CudaExecutor:
             return cells
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
+        copy_s = e.copy_stream.cuda_stream
         pieces = [self._pieces(start, count, per_layer) for start, count in slices]
         counts = sorted({count for piece in pieces for _, count in piece})
-        templates = {}
-        for count in counts:  # the tables are recorded before the scatters that read them
-            table, vec = self._table(job, 0, count)
-            jobs, host_shift = self._dma_template(job, count, to_device=True)
-            templates[count] = PieceTemplate(np.asarray(jobs, dtype=np.int64).reshape(-1, 6), host_shift, table, vec)
+        tables = {count: self._table(job, 0, count) for count in counts}  # recorded before the scatters read them
+        # the scatter launch's arguments (see _launch) after its staging address, up to its layer offset, and after
+        scatter_head = (OP_COPY, 18, 1, e.planes.data_ptr())
+        scatter_shape = (n_tok, lay.kv_size, lay.num_layers)
+        scatter_tail = (e.row_bytes, lay.head_bytes, lay.head_stride)
+        words: list[int] = []
         with e._stage_lock:
             n_buffers = len(e._used)
-            streams = StagedStreams(
-                e.copy_stream.cuda_stream, kernel_s,
-                [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)], e._idle_h, e._filled_h,
-                e.planes.data_ptr(), n_tok, lay.kv_size, lay.num_layers, e.row_bytes, lay.head_bytes, lay.head_stride,
-                e.max_ctas, e.index)
-            words, e._used = staged_slices_words(streams, pieces, templates, events, e._piece % n_buffers, e._used)
-            e._piece += sum(len(piece) for piece in pieces)
-        return issuer.record_ops(words, len(slices))
+            stages = [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)]
+            for piece, event in zip(pieces, events):
+                for first, count in piece:
+                    b = e._piece % n_buffers
+                    e._piece += 1
+                    jobs = self._piece_rows(job, first, count, stages[b], to_device=True)
+                    rows, n_rows = (jobs, 1) if isinstance(jobs, tuple) else (jobs.ravel().tolist(), len(jobs))
+                    if e._used[b]:  # the copy stream waits until whatever used this buffer last is done
+                        words += (OP_WAIT_EVENT, 2, copy_s, e._idle_h[b])
+                    words += (OP_MEMCPY2D, 2 + 6 * n_rows, copy_s, n_rows)
+                    words += rows
+                    words += (OP_RECORD_EVENT, 2, e._filled_h[b], copy_s, OP_WAIT_EVENT, 2, kernel_s, e._filled_h[b])
+                    table, vec = tables[count]
+                    words += scatter_head
+                    words += (table, stages[b])
+                    words += scatter_shape
+                    words += (first, count, count, 0)
+                    words += scatter_tail
+                    words += (vec, e.max_ctas, e.index, kernel_s, OP_RECORD_EVENT, 2, e._idle_h[b], kernel_s)
+                    e._used[b] = True
+                words += (OP_RECORD_EVENT, 2, event, kernel_s, OP_MARK, 1, 0)
+        return issuer.record_ops(np.asarray(words, dtype=np.int64), len(slices))
 
     def _gather_staged(self, job: TransferJob) -> None:
         """Engine -> staging (kernel stream) -> pinned L1 (copy stream), double-buffered across calls.
