@@ -785,6 +785,7 @@ class CudaExecutor:
         scatter_shape = (n_tok, lay.kv_size, lay.num_layers)
         scatter_tail = (e.row_bytes, lay.head_bytes, lay.head_stride)
         words: list[int] = []
+        marks_at: list[int] = []
         with e._stage_lock:
             n_buffers = len(e._used)
             stages = [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)]
@@ -807,8 +808,10 @@ class CudaExecutor:
                     words += scatter_tail
                     words += (vec, e.max_ctas, e.index, kernel_s, OP_RECORD_EVENT, 2, e._idle_h[b], kernel_s)
                     e._used[b] = True
-                words += (OP_RECORD_EVENT, 2, event, kernel_s, OP_MARK, 1, 0)
-        return issuer.record_ops(np.asarray(words, dtype=np.int64), len(slices))
+                words += (OP_RECORD_EVENT, 2, event, kernel_s)
+                marks_at.append(len(words))
+                words += (OP_MARK, 1, 0)
+        return issuer.record_ops(np.asarray(words, dtype=np.int64), marks_at)
 
     def _gather_staged(self, job: TransferJob) -> None:
         """Engine -> staging (kernel stream) -> pinned L1 (copy stream), double-buffered across calls.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -49,12 +49,25 @@ def _words_at(address: int, count: int) -> np.ndarray:
 class _Program:
     """The ops one thread recorded since its program began; marks are numbered when it is submitted."""
 
-    __slots__ = ("parts", "marks")
+    __slots__ = ("parts", "words", "marks", "mark_words")
 
     def __init__(self) -> None:
         self.parts: list[np.ndarray] = []
+        self.words = 0
+        """Words recorded so far (where the next part begins)."""
         self.marks: list[list[int]] = []
         """One cell per MARK op, in order: filled with the mark's number at submission."""
+        self.mark_words: list[int] = []
+        """Where each MARK op's number goes in the program's words, in the order of ``marks``."""
+
+    def append(self, part: np.ndarray, marks_at: Sequence[int] = ()) -> list[list[int]]:
+        """Add ``part``, whose MARK ops begin at ``marks_at`` inside it; returns those marks' cells."""
+        cells = [[0] for _ in marks_at]
+        self.marks.extend(cells)
+        self.mark_words.extend(self.words + at + 2 for at in marks_at)
+        self.parts.append(part)
+        self.words += len(part)
+        return cells
 
 
 class LoadIssuer:
@@ -100,20 +113,13 @@ class LoadIssuer:
     def mark(self) -> list[int]:
         """Record a mark in this thread's program: a cell that holds its number once the program is submitted
         (see :class:`IssuedSlice`)."""
-        program = self._current()
-        cell = [0]
-        program.marks.append(cell)
-        program.parts.append(np.asarray([OP_MARK, 1, 0], dtype=np.int64))
-        return cell
+        return self._current().append(np.asarray([OP_MARK, 1, 0], dtype=np.int64), (0,))[0]
 
-    def record_ops(self, words: np.ndarray, marks: int) -> list[list[int]]:
-        """Inside a program: append ops already encoded as ``op, n_args, args...`` words (checked when the program
-        is submitted), ``marks`` of them MARK ops; returns those marks' cells, in order (see :meth:`mark`)."""
-        program = self._current()
-        cells = [[0] for _ in range(marks)]
-        program.marks.extend(cells)
-        program.parts.append(words)
-        return cells
+    def record_ops(self, words: np.ndarray, marks_at: Sequence[int]) -> list[list[int]]:
+        """Inside a program: append ops already encoded as ``op, n_args, args...`` words (checked by the native
+        thread when the program is submitted), with MARK ops beginning at the offsets ``marks_at``; returns those
+        marks' cells, in order (see :meth:`mark`)."""
+        return self._current().append(words, marks_at)
 
     def flush(self) -> None:
         """Submit what this thread recorded so far and wait until it is issued (before memory those ops use may
@@ -167,15 +173,12 @@ class LoadIssuer:
         if not program.parts:
             return
         words = np.concatenate(program.parts)
-        # Number the marks now, under the lock: issued marks then increase in submission order. Only op headers
-        # are looked at (a row's word may equal OP_MARK).
-        cells = iter(program.marks)
-        i = 0
-        while i < len(words):
-            if words[i] == OP_MARK:
-                next(cells)[0] = words[i + 2] = self._next_mark
-                self._next_mark += 1
-            i += 2 + int(words[i + 1])
+        # Number the marks now, under the lock: issued marks then increase in submission order.
+        first, n = self._next_mark, len(program.marks)
+        words[program.mark_words] = np.arange(first, first + n, dtype=np.int64)
+        for number, cell in enumerate(program.marks, first):
+            cell[0] = number
+        self._next_mark += n
         self._native.submit(words.ctypes.data, len(words))
 
     def _record(self, *ops: Any) -> None:
@@ -183,10 +186,10 @@ class LoadIssuer:
         part = np.asarray(ops, dtype=np.int64) if not isinstance(ops[-1], np.ndarray) else \
             np.concatenate([np.asarray(ops[:-1], dtype=np.int64), ops[-1]])
         if program is not None:
-            program.parts.append(part)
+            program.append(part)
             return
         with self.program():  # outside a program: issued now, and waited for
-            self._local.program.parts.append(part)
+            self._local.program.append(part)
             cell = self.mark()
         self.wait_issued(cell[0])
 

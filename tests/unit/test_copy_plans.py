@@ -212,7 +212,7 @@ def test_marks_are_numbered_in_the_order_they_were_written_across_parts_and_prog
             cells.append(issuer.mark())
             row = [OP_MARK, 1, OP_MARK, 1, OP_MARK, 1]  # a copy job whose words look like marks
             words = [OP_MEMCPY2D, 8, 12, 1, *row, OP_MARK, 1, 0, OP_RECORD_EVENT, 2, 6, 11, OP_MARK, 1, 0]
-            cells += issuer.record_ops(np.asarray(words, dtype=np.int64), 2)
+            cells += issuer.record_ops(np.asarray(words, dtype=np.int64), [10, 17])
             cells.append(issuer.mark())
     assert [c[0] for c in cells] == list(range(1, 9))
     numbers = []
