@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -228,14 +228,25 @@ class IssuedSlice:
     ``Stream.wait_event`` calls) and ``synchronize``.
     """
 
-    __slots__ = ("issuer", "mark", "event", "handle")
+    __slots__ = ("issuer", "mark", "event", "handle", "recycle")
 
-    def __init__(self, issuer: LoadIssuer, mark: list[int], event: Any) -> None:
+    def __init__(self, issuer: LoadIssuer, mark: list[int], event: Any,
+                 recycle: Callable[[Any], None] | None = None) -> None:
+        """``recycle(event)``: called once nothing refers to this slice any more (its load and gate are gone, so no
+        wait or query can reach the event): the copier reuses the event for a later slice."""
         self.issuer = issuer
         self.mark = mark
         self.event = event
         """The ``torch.cuda.Event`` recorded by the program (kept alive with the slice)."""
         self.handle = int(event.cuda_event)
+        self.recycle = recycle
+
+    def __del__(self) -> None:
+        if self.recycle is not None:
+            try:
+                self.recycle(self.event)
+            except Exception:  # at interpreter exit the copier may be gone
+                pass
 
     def query(self) -> bool:
         """Issued and complete. A slice whose program failed never lands (its load fails when settled)."""
