@@ -612,6 +612,8 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     stream = torch.cuda.current_stream()
     backend = rig.backends.get(placement)
     marks: dict[str, list[torch.cuda.Event]] = {"arrived": [], "usable": [], "computed": []}
+    # the engine's thread, per layer: before its layer wait, and after it (its launches for the layer follow)
+    cpu_marks: dict[str, list[float]] = {"wait_from": [], "usable": []}
     t0_ev = torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     if timeline and backend is not None:
@@ -663,9 +665,12 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         step_start = time.perf_counter() - t0
         x = torch.cat([xs[i] for i in batch])
         for layer in range(s.layers):
+            if timeline:
+                cpu_marks["wait_from"].append(time.perf_counter() - t0)
             if width is not None:
                 worker.wait_for_layer(layer)
             if timeline:
+                cpu_marks["usable"].append(time.perf_counter() - t0)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 marks["usable"].append(ev)
@@ -705,6 +710,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         if backend is not None:
             backend.probe = None
         out["timeline"] = {k: [t0_ev.elapsed_time(e) for e in v] for k, v in marks.items()}
+        out["timeline"].update({f"cpu_{k}": [round(t * 1e3, 4) for t in v] for k, v in cpu_marks.items()})
     if probe is not None:
         out["copies"] = {k: [(t0_ev.elapsed_time(a), t0_ev.elapsed_time(b)) for a, b in v]
                          for k, v in probe.marks.items()}
@@ -928,6 +934,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnostic: after each size's runs at one request, time the resident step REPS times alone, "
                         "beside a load's copy-engine copies, and beside those copies plus an SM pass over each layer "
                         "(compute_under in the JSON)")
+    p.add_argument("--timeline-new", type=int, default=1024, metavar="N",
+                   help="the one-request size whose width-1 timeline (each layer's GPU marks, engine placement and "
+                        "resident) is recorded, for the first format")
     p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
                    "of a server mechanism: run once with and once without, in both orders)")
     p.add_argument("--engine-loop", choices=sorted(ENGINE_LOOPS), default="sleep",
@@ -1003,6 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use, "gc_collect_before_each_measurement": True,
                    "prewarm": args.prewarm, "probe_copies": args.probe_copies, "profile_submit": args.profile_submit, "interference": args.interference, "server_args": args.server_args,
+                   "timeline_new_tokens": args.timeline_new,
                    "shape": args.shape, "model": s.describe(),
                    "prefix_bytes_per_request": request_bytes, "concurrency_skipped": skipped_concs,
                    "formats_skipped": formats_skipped},
@@ -1076,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
                         if args.probe_copies:
                             fres.setdefault("probed", {})[str(new)] = probe_arms(rig, client, model, new,
                                                                                  args.probe_copies)
-                        if fmt == formats[0] and new == 1024:
+                        if fmt == formats[0] and new == args.timeline_new:
                             fres["timeline"] = {pl: run_arm(rig, client, model, pl, 1, 1, new, timeline=True)
                                                 for pl in placements if pl in ("server", "engine")}
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,

@@ -1,6 +1,6 @@
 """The two pictures of a ``benchmarks/ttft.py`` result (``python benchmarks/ttft.py --plot RESULT.json``).
 
-* ``<result>-timeline.png``: one request (the first format, 1,024 new tokens, one layer per slice), per
+* ``<result>-timeline.png``: one request (the first format, ``--timeline-new`` new tokens, one layer per slice), per
   placement: when each layer's bytes landed and when the engine computed it.
 * ``<result>-ttft.png``: first-token time per format, by arm, at concurrency 1 (each size) and at each
   concurrency (mean over the requests).
@@ -50,7 +50,8 @@ def draw(path: str) -> list[str]:
             ax.set_xlabel("ms since the request was handed over")
             ax.legend(loc="lower right")
         axes[0].set_ylabel("layer")
-        fig.suptitle(f"{timeline_fmt}: one request, 1,024 new tokens, one layer per slice")
+        fig.suptitle(f"{timeline_fmt}: one request, {result['config'].get('timeline_new_tokens', 1024):,} new tokens, "
+                     "one layer per slice")
         fig.tight_layout()
         out = stem + "-timeline.png"
         fig.savefig(out, dpi=110)

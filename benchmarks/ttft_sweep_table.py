@@ -105,7 +105,8 @@ def time_rows(runs: list[dict[str, Any]]) -> list[str]:
             parts = [timeline_parts(x["timeline"]) for x in (eng, res)]
             total = eng["ttft_ms"][0] - res["ttft_ms"][0]
             first, slower, waits = (a - b for a, b in zip(*parts))
-            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | 1024 | "
+            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | "
+                       f"{c.get('timeline_new_tokens', 1024)} | "
                        f"{res['ttft_ms'][0]:.2f} | {eng['ttft_ms'][0]:.2f} | {first:+.2f} | {slower:+.2f} | "
                        f"{waits:+.2f} | {total - first - slower - waits:+.2f} |")
     return out
