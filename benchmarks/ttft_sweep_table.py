@@ -112,6 +112,34 @@ def time_rows(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def engine_thread_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """The same timeline from the engine's thread (its own clock before and after each layer wait, where the run
+    recorded it): time to its first layer, in its layer waits, and launching the layers. Where the engine is
+    launch-bound (its thread, not the GPU, paces the layers), this is where its first-token time goes."""
+    out = ["| shape | prefix | loop | format | new | to layer 0 | in layer waits | launching layers |",
+           "|" + " --- |" * 8]
+    for r in runs:
+        c = r["config"]
+        for fmt, fres in sorted(r["formats"].items()):
+            lines = fres.get("timeline", {})
+            if "cpu_usable" not in lines.get("engine", {}).get("timeline", {}) or "resident" not in lines:
+                continue
+            eng, res = (engine_thread_parts(lines[k]["timeline"]) for k in ("engine", "resident"))
+            first, waits, launches = (a - b for a, b in zip(eng, res))
+            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | "
+                       f"{c.get('timeline_new_tokens', 1024)} | {first:+.2f} | {waits:+.2f} | {launches:+.2f} |")
+    return out
+
+
+def engine_thread_parts(marks: dict[str, list[float]]) -> tuple[float, float, float]:
+    """(the engine's thread reaching layer 0, its layer waits summed, its time from one layer's wait to the next
+    one's: the layer's launches) in ms, from a timeline's ``cpu_wait_from`` and ``cpu_usable`` marks."""
+    wait_from, usable = marks["cpu_wait_from"], marks["cpu_usable"]
+    waits = sum(u - w for w, u in zip(wait_from, usable))
+    launches = sum(w - u for u, w in zip(usable, wait_from[1:]))
+    return usable[0], waits, launches
+
+
 def timeline_parts(marks: dict[str, list[float]]) -> tuple[float, float, float]:
     """(layer 0 usable, the layers' compute summed, the gaps between one layer's end and the next one's start) in ms,
     from a timeline's ``usable`` and ``computed`` marks."""
@@ -137,7 +165,9 @@ def main() -> int:
                       "## A spinning engine thread: load completion (engine placement, one request)", "",
                       *spin_rows(runs), "",
                       "## One request, width 1: where the time beyond compute alone goes (ms, the timeline run)", "",
-                      *time_rows(runs), ""])
+                      *time_rows(runs), "",
+                      "## The same from the engine's thread, against resident (ms, where the run recorded it)", "",
+                      *engine_thread_rows(runs), ""])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

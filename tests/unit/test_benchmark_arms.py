@@ -47,3 +47,11 @@ def test_a_timeline_splits_into_layer_0_the_layers_compute_and_the_waits_between
 
     # layer 0 usable at 2.0, computed 2.0-3.0; layer 1 waits 0.5 ms, computed 3.5-5.0
     assert ttft_sweep_table.timeline_parts({"usable": [2.0, 3.5], "computed": [3.0, 5.0]}) == (2.0, 2.5, 0.5)
+
+
+def test_the_engine_threads_timeline_splits_into_layer_0_its_waits_and_its_launches() -> None:
+    import ttft_sweep_table
+
+    # waits 1.0-1.5 (layer 0), launches to 2.5, waits 2.5-2.6, launches to the last wait's end (not counted)
+    marks = {"cpu_wait_from": [1.0, 2.5], "cpu_usable": [1.5, 2.6]}
+    assert ttft_sweep_table.engine_thread_parts(marks) == pytest.approx((1.5, 0.6, 1.0))
