@@ -89,26 +89,30 @@ def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def timeline_cells(runs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each run's and format's width-1 timeline: (its row's first cells: shape, prefix, loop, format, new tokens;
+    the engine placement's timeline run; the resident one), where the run recorded both."""
+    for r in runs:
+        c = r["config"]
+        for fmt, fres in sorted(r["formats"].items()):
+            lines = fres.get("timeline", {})
+            if "engine" in lines and "resident" in lines:
+                yield (f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | "
+                       f"{c.get('timeline_new_tokens', 1024)} |"), lines["engine"], lines["resident"]
+
+
 def time_rows(runs: list[dict[str, Any]]) -> list[str]:
     """Where a width-1 load's first-token time goes beyond compute alone, from each run's timeline (one request,
     the GPU's per-layer marks of the engine's stream, engine placement against resident, same run): until layer 0
     may be read, the layers' compute running longer while the copies run, the stream waiting between layers."""
     out = ["| shape | prefix | loop | format | new | resident ms | width 1 ms | to layer 0 | layers computed slower "
            "| waits between layers | rest |", "|" + " --- |" * 11]
-    for r in runs:
-        c = r["config"]
-        for fmt, fres in sorted(r["formats"].items()):
-            lines = fres.get("timeline", {})
-            if "engine" not in lines or "resident" not in lines:
-                continue
-            eng, res = lines["engine"], lines["resident"]
-            parts = [timeline_parts(x["timeline"]) for x in (eng, res)]
-            total = eng["ttft_ms"][0] - res["ttft_ms"][0]
-            first, slower, waits = (a - b for a, b in zip(*parts))
-            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | "
-                       f"{c.get('timeline_new_tokens', 1024)} | "
-                       f"{res['ttft_ms'][0]:.2f} | {eng['ttft_ms'][0]:.2f} | {first:+.2f} | {slower:+.2f} | "
-                       f"{waits:+.2f} | {total - first - slower - waits:+.2f} |")
+    for cells, eng, res in timeline_cells(runs):
+        parts = [timeline_parts(x["timeline"]) for x in (eng, res)]
+        total = eng["ttft_ms"][0] - res["ttft_ms"][0]
+        first, slower, waits = (a - b for a, b in zip(*parts))
+        out.append(f"{cells} {res['ttft_ms'][0]:.2f} | {eng['ttft_ms'][0]:.2f} | {first:+.2f} | {slower:+.2f} | "
+                   f"{waits:+.2f} | {total - first - slower - waits:+.2f} |")
     return out
 
 
@@ -118,16 +122,12 @@ def engine_thread_rows(runs: list[dict[str, Any]]) -> list[str]:
     launch-bound (its thread, not the GPU, paces the layers), this is where its first-token time goes."""
     out = ["| shape | prefix | loop | format | new | to layer 0 | in layer waits | launching layers |",
            "|" + " --- |" * 8]
-    for r in runs:
-        c = r["config"]
-        for fmt, fres in sorted(r["formats"].items()):
-            lines = fres.get("timeline", {})
-            if "cpu_usable" not in lines.get("engine", {}).get("timeline", {}) or "resident" not in lines:
-                continue
-            eng, res = (engine_thread_parts(lines[k]["timeline"]) for k in ("engine", "resident"))
-            first, waits, launches = (a - b for a, b in zip(eng, res))
-            out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | "
-                       f"{c.get('timeline_new_tokens', 1024)} | {first:+.2f} | {waits:+.2f} | {launches:+.2f} |")
+    for cells, eng, res in timeline_cells(runs):
+        if "cpu_usable" not in eng["timeline"]:
+            continue
+        first, waits, launches = (a - b for a, b in zip(engine_thread_parts(eng["timeline"]),
+                                                        engine_thread_parts(res["timeline"])))
+        out.append(f"{cells} {first:+.2f} | {waits:+.2f} | {launches:+.2f} |")
     return out
 
 
