@@ -305,3 +305,34 @@ def test_spin_until_readable_keeps_a_stream_warm_and_still_sees_the_socket() -> 
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_several_rows_copy_every_range_where_its_row_says_and_nothing_else(direction) -> None:
+    """memcpy2d_runs with several rows: rows of one range and rows of equally spaced ranges, from pinned host memory
+    to the device and back; every range lands where its row says and the bytes between them stay as they were."""
+    import numpy as np
+
+    from kvstrata.native import cuda_ext
+
+    ext = cuda_ext.load()
+    n = 1 << 20
+    host = torch.randint(0, 256, (n,), dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if direction == "to_device" else (dev, host)
+    before = dst.clone()
+    # (dst offset, dst pitch, src offset, src pitch, width, height): odd widths and offsets, pitches apart
+    shapes = [(0, 0, 4096, 0, 1000, 1), (8192, 3000, 100, 70_000, 777, 3), (200_000, 65_536, 300_000, 4096, 4096, 5),
+              (900_000, 0, 17, 0, 1, 1)]
+    rows = np.asarray([(dst.data_ptr() + d, dp, src.data_ptr() + s, sp, w, h) for d, dp, s, sp, w, h in shapes],
+                      dtype=np.int64)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    ext.memcpy2d_runs(rows.ctypes.data, len(rows), 0, stream.cuda_stream)
+    stream.synchronize()
+    want = before.cpu()
+    s_host = src.cpu()
+    for d, dp, s, sp, w, h in shapes:
+        for i in range(h):
+            want[d + i * dp:d + i * dp + w] = s_host[s + i * sp:s + i * sp + w]
+    assert dst.cpu().equal(want)
