@@ -7,7 +7,7 @@ import os
 import tempfile
 import weakref
 from concurrent.futures import Future
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -17,6 +17,10 @@ from kvstrata.core.wire.transport import Client
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.engine.placement import Placement
+
+if TYPE_CHECKING:
+    from kvstrata.core.server.cache_server import CacheServer
+    from kvstrata.core.shm import Segment
 
 SMALL_32 = ModelShape(num_layers=32, kv_size=2, num_heads=2, head_size=16, dtype="bfloat16")
 

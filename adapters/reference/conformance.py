@@ -6,7 +6,7 @@ conformance suite reads; the adapter (:mod:`kvstrata.adapters.reference`) never 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 

@@ -23,9 +23,10 @@ def _writer(name: str, plan: list[tuple[int, int, int, bool]]) -> None:
 
 
 def _monotonic_writer(name: str, slot: int, generation: int, layers: int, rounds: int) -> None:
+    """Publishes 1..layers, each ``rounds`` times over: many writes, never a smaller count than before."""
     board = ArrivalBoard.attach(name)
-    for _ in range(rounds):
-        for n in range(1, layers + 1):
+    for n in range(1, layers + 1):
+        for _ in range(rounds):
             board.publish(slot, generation, n, complete=n == layers)
     board.close()
 
@@ -52,6 +53,8 @@ def test_a_reader_sees_monotonic_progress_from_another_process():
             for s in range(4):
                 prog = board.read(s, 7)
                 assert 0 <= prog.layers <= 32
+                assert prog.layers >= last[s], f"slot {s} went back from {last[s]} to {prog.layers} layers"
+                last[s] = prog.layers
                 reads += 1
             # other generations never leak in
             assert board.read(0, 6) == NO_PROGRESS
