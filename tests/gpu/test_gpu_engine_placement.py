@@ -79,17 +79,23 @@ def engine(gpu_server, tmp_path_factory):
     side.close()
 
 
-def load(side: WorkerRuntime, rid: str, tokens: list[int], dst: list[int], width: int,
+@pytest.fixture(scope="module")
+def scheduler(gpu_server):
+    """The scheduler side's connection, open for the module as an engine's is for its life: the lookup locks it
+    takes are its own, and the server frees them once it is gone (so a load whose RETRIEVE came after the close
+    would find them freed, depending on when the server noticed)."""
+    client = CacheClient(gpu_server.address)
+    yield client
+    client.close()
+
+
+def load(side: WorkerRuntime, scheduler: CacheClient, rid: str, tokens: list[int], dst: list[int], width: int,
          locate: str = "lookup") -> None:
     """The scheduler side's LOOKUP (it locks the chunks for the request), then the worker side's load, which
     starts from where the LOOKUP found the chunks (``locate="retrieve"``: asks RETRIEVE, as without them)."""
-    scheduler = CacheClient(side.settings.server_address)
-    try:
-        key = CacheKey(lock_owner(rid, side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
-        reply = scheduler.transport.wait(scheduler.lookup_async(key))
-        assert reply["hit_tokens"] == len(tokens)
-    finally:
-        scheduler.close()
+    key = CacheKey(lock_owner(rid, side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
+    reply = scheduler.transport.wait(scheduler.lookup_async(key))
+    assert reply["hit_tokens"] == len(tokens)
     located = (ChunkLocations.from_lookup_reply(reply),) if locate == "lookup" else None
     side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width, located=located)])
     assert side.transfers.records[rid].located_by == locate
@@ -120,14 +126,14 @@ def test_registered_for_engine_placement_without_an_ipc_export(engine, gpu_serve
 
 @pytest.mark.parametrize("locate", ["lookup", "retrieve"])
 @pytest.mark.parametrize("width", [0, 1, 2, 3, 8, 32])
-def test_every_width_lands_byte_exact_in_the_engines_cache(engine, width: int, locate: str) -> None:
+def test_every_width_lands_byte_exact_in_the_engines_cache(engine, scheduler, width: int, locate: str) -> None:
     side, layers, tokens, truth, _ = engine
     dst = list(range(100, 100 + N_BLOCKS))
     random.Random(width).shuffle(dst)
     for t in layers.values():
         t[dst] = 0
     rid = f"ee-w{width}-{locate}"
-    load(side, rid, tokens, dst, width, locate)
+    load(side, scheduler, rid, tokens, dst, width, locate)
     wait_released(side, rid)
     for name in layers:  # vLLM's wait_for_layer_load before each layer: the engine's stream waits
         side.wait_for_layer(layer_index(name))
@@ -139,7 +145,8 @@ def test_every_width_lands_byte_exact_in_the_engines_cache(engine, width: int, l
     assert side.take_load_failures() == []
 
 
-def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream(engine, tmp_path) -> None:
+def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream(engine, scheduler,
+                                                                                 tmp_path) -> None:
     side, layers, tokens, truth, record = engine
     dst = list(range(200, 200 + N_BLOCKS))
     for t in layers.values():
@@ -148,7 +155,7 @@ def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream
     hold.hold("ee-held", after_slices=1)
     names = sorted(layers, key=layer_index)
     with hold.installed():
-        load(side, "ee-held", tokens, dst, 1)
+        load(side, scheduler, "ee-held", tokens, dst, 1)
         hold.wait_held("ee-held", 30)
         wait_released(side, "ee-held")  # the first slice is enqueued, the rest is held back
         assert "ee-held" in side.transfers.draining()
@@ -168,7 +175,7 @@ def test_released_on_the_first_slice_and_later_layers_wait_on_the_engines_stream
     assert released and released[0]["released_before_complete"] is True and released[0]["failure"] is None
 
 
-def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_server, tmp_path) -> None:
+def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_server, scheduler, tmp_path) -> None:
     """The copy stops after its first slice (held) past the layer-wait bound: the engine's wait returns, and once
     the copy has stopped the load's blocks come back through the failure report (vLLM's: block ids)."""
     _, layers, tokens, _, _ = engine
@@ -182,7 +189,7 @@ def test_a_load_that_stops_after_release_is_reported_for_recompute(engine, gpu_s
     try:
         side.register(layers)
         with hold.installed():
-            load(side, "ee-stalled", tokens, dst, 1)
+            load(side, scheduler, "ee-stalled", tokens, dst, 1)
             wait_released(side, "ee-stalled")
             t0 = time.monotonic()
             side.wait_for_layer(1)  # never lands while held: bounded, and the load is failed
