@@ -380,7 +380,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     reservation = worker.reserve_store(key)
                     worker.client.transport.wait(reservation)
                 t0 = time.perf_counter()
-                if placement == "engine":  # engine-placement: RESERVE_STORE, this process's copies, COMMIT_STORE
+                if placement == "engine":  # engine-placement: RESERVE_STORE, this process's copies, the commit
                     r = worker.store(key, [src], reservation=reservation)
                     st = worker.last_store
                     store_steps.append({"reserve_ms": (st.reserved_at - st.started_at) * 1e3,
@@ -503,8 +503,9 @@ def measure_sglang_offload(tokens: int, chunk: int, reps: int, forward_ms: list[
     (matmuls) and then writes every page, SGLang's two offload-ready events (``record_offload_ready``: the
     current stream, the forward stream), then ``LayerLoader.offload`` with them, as SGLang's write-through does
     while the forward may still run. The store's time runs from the moment the loader's wait for those events
-    returned to COMMIT_STORE's reply, as ``store_reserved_ahead_ms`` does; ``reserve_wait_ms`` is how long the
-    store still waited for its RESERVE_STORE (sent before the wait) then."""
+    returned to the commit (the store marks written; COMMIT_STORE's reply before them), as
+    ``store_reserved_ahead_ms`` does; ``reserve_wait_ms`` is how long the store still waited for its RESERVE_STORE
+    (sent before the wait) then."""
     import hashlib
 
     from kvstrata.adapters.sglang import hooks as sglang_hooks
@@ -606,7 +607,7 @@ def evaluate(raw: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any]:
 
 ENGINE_EXECUTED_TARGETS = {"chunk_major_vs_raw": 1.05, "width1_first_layer_usable_ms": 1.5, "store_vs_raw": 1.10}
 """The transfer targets for the engine placement (loads from the pool, and stores by
-RESERVE_STORE, this process's copies, COMMIT_STORE)."""
+RESERVE_STORE, this process's copies, the commit: the store marks, or COMMIT_STORE before them)."""
 
 
 def evaluate_engine_placement(raw: dict[str, Any], ee: dict[str, Any], server: dict[str, Any] | None) -> dict:
@@ -625,12 +626,12 @@ def evaluate_engine_placement(raw: dict[str, Any], ee: dict[str, Any], server: d
     if "store_ms" in ee:
         st, d2h = ee["store_ms"]["median"], raw["d2h_pinned_ms"]["median"]
         out["store_vs_raw"] = {"value": st / d2h, "limit": ENGINE_EXECUTED_TARGETS["store_vs_raw"],
-                               "detail": f"RESERVE_STORE + copies + COMMIT_STORE {st:.2f} ms vs raw D2H {d2h:.2f} ms"}
+                               "detail": f"RESERVE_STORE + copies + commit {st:.2f} ms vs raw D2H {d2h:.2f} ms"}
     if "store_reserved_ahead_ms" in ee:
         st, d2h = ee["store_reserved_ahead_ms"]["median"], raw["d2h_pinned_ms"]["median"]
         out["store_reserved_ahead_vs_raw"] = {
             "value": st / d2h, "limit": ENGINE_EXECUTED_TARGETS["store_vs_raw"],
-            "detail": f"copies + COMMIT_STORE, RESERVE_STORE answered during the forward (vLLM's and TensorRT-LLM's "
+            "detail": f"copies + commit, RESERVE_STORE answered during the forward (vLLM's and TensorRT-LLM's "
                       f"path), {st:.2f} ms vs raw D2H {d2h:.2f} ms"}
     for t in out.values():
         t["met"] = bool(t["value"] <= t["limit"])
@@ -732,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                     "value": round(st / d2h, 4), "limit": ENGINE_EXECUTED_TARGETS["store_vs_raw"],
                     "met": bool(st / d2h <= ENGINE_EXECUTED_TARGETS["store_vs_raw"]),
                     "detail": f"SGLang's offload after a {fms} ms forward stand-in: from its wait's end to "
-                              f"COMMIT_STORE {st:.2f} ms (still waiting for RESERVE_STORE "
+                              f"the commit {st:.2f} ms (still waiting for RESERVE_STORE "
                               f"{row['reserve_wait_ms']['median']:.3f} ms) vs raw D2H {d2h:.2f} ms"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -783,7 +784,7 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
         if name.startswith("server_") or name.startswith("engine_placement") and "retrieve" in sv:
             steps = sv.get("store_steps_ms")
             print(f"[{name}] store {sv['store_ms']['median']:.3f} ms"
-                  + (" (RESERVE_STORE {:.3f}, copies {:.3f} of which enqueued in {:.3f}, COMMIT_STORE {:.3f})".format(
+                  + (" (RESERVE_STORE {:.3f}, copies {:.3f} of which enqueued in {:.3f}, commit {:.3f})".format(
                       *(steps[k]["median"] for k in ("reserve_ms", "copy_ms", "enqueue_ms", "commit_ms")))
                      if steps else "")
                   + (f"; reserved ahead {sv['store_reserved_ahead_ms']['median']:.3f} ms"
@@ -812,7 +813,7 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
         for fms, row in so["by_forward_ms"].items():
             print(f"[sglang_offload] forward {fms} ms: store {row['store_ms']['median']:.3f} ms after the wait "
                   f"(RESERVE_STORE still awaited {row['reserve_wait_ms']['median']:.3f}, copies "
-                  f"{row['copy_ms']['median']:.3f}, COMMIT_STORE {row['commit_ms']['median']:.3f}); offload call "
+                  f"{row['copy_ms']['median']:.3f}, commit {row['commit_ms']['median']:.3f}); offload call "
                   f"to commit {row['offload_call_to_commit_ms']['median']:.3f} ms")
     for name, err in result.get("errors", {}).items():
         print(f"error in {name}: {err.splitlines()[0]}")

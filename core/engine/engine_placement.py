@@ -8,7 +8,7 @@ load of the process goes through its one :class:`~kvstrata.core.engine.transfer_
 records each slice straight into the load's gate and frees the lookup locks once the copies have run.
 
 A STORE is RESERVE_STORE (sent before the forward where the engine has a step hook:
-:meth:`EnginePlacement.reserve_store`), this process's copies into the reserved objects, then COMMIT_STORE once
+:meth:`EnginePlacement.reserve_store`), this process's copies into the reserved objects, then its marks once
 they landed, so no half-written object is ever visible. The server is told a small
 :class:`~kvstrata.core.engine.registration_area.RegistrationArea` of the cache's geometry instead of the cache.
 """
@@ -87,6 +87,8 @@ class EnginePlacement(Placement):
         self._l1_pool: Segment | None = None
         self._generation_segment: Segment | None = None
         self._generations: tuple[np.ndarray, np.ndarray] | None = None
+        self._store_mark_segment: Segment | None = None
+        self._store_marks: np.ndarray | None = None
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
@@ -188,6 +190,18 @@ class EnginePlacement(Placement):
                     old.close()
             return self._generations
 
+    def _map_store_marks(self, ref: dict[str, Any]) -> np.ndarray:
+        """The store-mark words a RESERVE_STORE reply names, mapped writable (again after a server restart)."""
+        with self._pool_lock:
+            if self._store_mark_segment is None or self._store_mark_segment.name != ref["name"]:
+                slots = int(ref["slots"])
+                seg = Segment.attach(str(ref["name"]), slots * 8)
+                old, self._store_mark_segment = self._store_mark_segment, seg
+                self._store_marks = np.frombuffer(seg.buf, dtype=np.uint64, count=slots)
+                if old is not None:
+                    old.close()
+            return self._store_marks
+
     def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
         with self._pool_lock:
             self._map_l1_pool_locked(pool)
@@ -205,19 +219,22 @@ class EnginePlacement(Placement):
         """Give back the objects of a reservation no store will copy into (bounded; a failed one held none)."""
         try:
             reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
-            self.client.commit_store(int(reply["reservation"]), False)
+            if reply["reservation"]:
+                self.client.commit_store(int(reply["reservation"]), False)
         except Exception as exc:  # the server is gone (it dropped the reservation) or refused it: nothing held
             log.debug("dropping a store reservation: %s", exc)
 
     def store(self, key: CacheKey, block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int = 0, *,
               reservation: Future | None = None) -> dict[str, Any]:
         """RESERVE_STORE the chunks not stored yet (unless ``reservation``, from :meth:`reserve_store` for the
-        same key and skip, already asked), copy the blocks into those objects with this process's copier, then
-        COMMIT_STORE once the copies have landed (or drop the reservation if they failed: a half-written object
-        is never committed).
+        same key and skip, already asked), copy the blocks into those objects with this process's copier, then,
+        once the copies have landed, mark the objects stored (the server commits them before it answers any
+        request that could see them: :mod:`kvstrata.core.store.l1_store`). If the copies fail, COMMIT_STORE drops
+        the reservation: a half-written object is never committed.
 
-        Blocks the calling thread until the copies have run. On a GPU they run on this process's copy
-        streams after the work the engine has queued so far; the engine's own stream never waits for them.
+        Blocks the calling thread until the copies have run, and no longer: no round trip follows them. On a
+        GPU they run on this process's copy streams after the work the engine has queued so far; the engine's
+        own stream never waits for them.
         """
         if not self.pool_writable:
             raise RuntimeError("store needs engine placement with pool_writable=True")
@@ -235,22 +252,33 @@ class EnginePlacement(Placement):
         else:
             reply = self.client.transport.wait(reservation, timeout=self.retrieve_timeout)
         record.reserved_at = time.perf_counter()
-        landed = False
-        try:
-            if reply["objects"]:
+        rows = reply["objects"]
+        if rows:
+            try:
                 copier = self._copier_for(reply["pool"])
-                spans = [(int(off), int(tokens), int(start)) for off, _, tokens, start in reply["objects"]]
-                done = copier.gather(spans, blocks)
+                marks = self._map_store_marks(reply["store_marks"])
+                done = copier.gather([(int(row[0]), int(row[2]), int(row[3])) for row in rows], blocks)
                 record.enqueued_at = time.perf_counter()
                 copier.finish(done)
-            landed = True
-            record.copied_at = time.perf_counter()
-        finally:
-            committed = self.client.commit_store(int(reply["reservation"]), landed)
-            record.committed_at = time.perf_counter()
+            except BaseException:
+                self._drop_reserved(int(reply["reservation"]), key)
+                raise
+        record.copied_at = time.perf_counter()
+        for row in rows:  # the copies landed: the server commits the objects once every mark is in
+            marks[int(row[4])] = int(row[5])
+        record.committed_at = time.perf_counter()
+        stored = sum(int(row[2]) for row in rows)
         if reply.get("full"):
-            log.warning("STORE of %s kept %d tokens: %s", key.request_id, committed["stored_tokens"], reply["full"])
-        return {"stored_tokens": committed["stored_tokens"], "skipped_tokens": reply["skipped_tokens"]}
+            log.warning("STORE of %s kept %d tokens: %s", key.request_id, stored, reply["full"])
+        return {"stored_tokens": stored, "skipped_tokens": reply["skipped_tokens"]}
+
+    def _drop_reserved(self, reservation: int, key: CacheKey) -> None:
+        """The copies into ``reservation`` failed: give its objects back (bounded; the failure raised stays
+        what the caller sees)."""
+        try:
+            self.client.commit_store(reservation, False)
+        except Exception as exc:  # the server is gone: it dropped the reservation with the connection
+            log.warning("STORE of %s: dropping its reservation after a failed copy: %s", key.request_id, exc)
 
     def close(self) -> None:
         self._queue.close()
@@ -262,6 +290,10 @@ class EnginePlacement(Placement):
         if self._generation_segment is not None:
             self._generation_segment.close()
             self._generation_segment = None
+        self._store_marks = None
+        if self._store_mark_segment is not None:
+            self._store_mark_segment.close()
+            self._store_mark_segment = None
         if self._l1_pool is not None:
             self._l1_pool.close()
         if self.registration_area is not None:

@@ -105,7 +105,7 @@ class StoreRecord:
     copied_at: float | None = None
     """The copies into the reserved objects had run."""
     committed_at: float | None = None
-    """COMMIT_STORE answered."""
+    """The objects were marked stored: any request sent from now on sees them committed."""
 
 
 @dataclass

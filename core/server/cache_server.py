@@ -41,8 +41,9 @@ VERSION = "0.1.0"
 
 @dataclass
 class _Reservation:
-    """L1 objects an engine copies a prompt's chunks into itself (engine placement); uncommitted until it says
-    the copies landed, so no LOOKUP sees them and no eviction frees them meanwhile."""
+    """L1 objects an engine copies a prompt's chunks into itself (engine placement); uncommitted until it marks
+    them stored (:meth:`~kvstrata.core.store.l1_store.L1Store.marked_stored`) or sends COMMIT_STORE, so no
+    LOOKUP sees them and no eviction frees them meanwhile."""
 
     instance_id: int
     owner: bytes | None
@@ -345,6 +346,7 @@ class CacheServer:
 
     def lookup(self, key: dict[str, Any]) -> dict[str, Any]:
         ck = self._key(key)
+        self._commit_marked_reservations()  # a store that returned before this LOOKUP was sent is found
         caller = self.transport.current_client()
         owner = ck.request_id
         self._check_may_use_owner(owner, caller)
@@ -492,6 +494,7 @@ class CacheServer:
     def store_kv(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int) -> dict[str, Any]:
         ck = self._key(key, instance_id)
+        self._commit_marked_reservations()  # chunks a finished engine-placement store holds are skipped
         inst = self._acquire(instance_id)
         return self._while_in_use(inst, lambda: self._store(inst, ck, block_ids, event_handle, skip_first_n_tokens))
 
@@ -583,11 +586,13 @@ class CacheServer:
 
     def reserve_store(self, key: dict[str, Any], instance_id: int, skip_first_n_tokens: int) -> dict[str, Any]:
         """Engine placement: reserve objects for the key's chunks that are not stored yet; the engine copies
-        into them (it maps the pool) and then sends COMMIT_STORE. Chunks already stored are skipped."""
+        into them (it maps the pool) and then marks them stored (or drops them with COMMIT_STORE). Chunks already
+        stored are skipped; where none is reserved, the reply's reservation is 0."""
         ck = self._key(key, instance_id)
         n = ck.num_tokens
         caller = self.transport.current_client()
         conn = self._connection(caller)
+        self._commit_marked_reservations()  # chunks a finished store holds are skipped, and its share is free
         inst = self._acquire(instance_id)
         try:
             if inst.placement != PLACEMENT_ENGINE:
@@ -619,7 +624,7 @@ class CacheServer:
                         continue
                     reserved.append((obj, count))
                     taken += obj.nbytes
-                    objects.append([obj.offset, obj.nbytes, count, start])
+                    objects.append([obj.offset, obj.nbytes, count, start, obj.slot, obj.generation])
             except StoreFull as exc:
                 full = str(exc)  # reserve what fits, from the prompt's start; the rest is not stored
             with self._lock:
@@ -627,18 +632,22 @@ class CacheServer:
                     for obj, _ in reserved:
                         self.store.abandon(obj)
                     raise RequestError("this connection's lease has ended; send the request again")
-                rid = self._next_reservation
-                self._next_reservation += 1
-                self._reservations[rid] = _Reservation(instance_id, caller, ck, reserved, conn)
-                conn.reservations.add(rid)
-                conn.reserved_bytes += taken
+                rid = 0  # nothing reserved (every chunk stored or in progress, or no room): nothing to commit
+                if reserved:
+                    rid = self._next_reservation
+                    self._next_reservation += 1
+                    self._reservations[rid] = _Reservation(instance_id, caller, ck, reserved, conn)
+                    conn.reservations.add(rid)
+                    conn.reserved_bytes += taken
         finally:
             self._release(inst)
         return {"reservation": rid, "objects": objects, "skipped_tokens": skipped, "in_progress_tokens": in_progress,
-                "full": full, "pool": self._pool_ref()}
+                "full": full, "pool": self._pool_ref(),
+                "store_marks": {"name": self.store.store_mark_segment.name, "slots": self.store.max_objects}}
 
     def commit_store(self, reservation: int, landed: bool) -> dict[str, Any]:
-        """Commit a reservation whose copies the engine saw complete, or drop it (``landed`` false)."""
+        """Commit a reservation whose copies the engine saw complete, or drop it (``landed`` false). An engine
+        that marks its objects stored (what kvstrata's does) needs this only to drop one."""
         with self._lock:
             res = self._reservations.get(reservation)
             caller = self.transport.current_client()
@@ -648,22 +657,58 @@ class CacheServer:
             if res.owner is not None and caller is not None and caller != res.owner:
                 raise NotYours(f"store reservation {reservation} belongs to another connection")
             self._forget_reservation(reservation, res)
+        if landed:
+            return self._commit_reservation(res)
+        for obj, _ in res.objects:
+            self.store.abandon(obj)
+        if res.objects:
+            log.warning("store reservation %d for request %s dropped: the engine says no copy landed in it",
+                        reservation, res.request_id)
+        return {"stored_tokens": 0, "stored_bytes": 0}
+
+    def _commit_reservation(self, res: _Reservation) -> dict[str, Any]:
+        """Make a reservation taken off the books a stored prompt: its objects visible to LOOKUP, offered to the
+        shared tier."""
         stored = stored_bytes = 0
         for obj, count in res.objects:
-            if landed:
-                self.store.commit(obj)
-                stored, stored_bytes = stored + count, stored_bytes + obj.nbytes
-            else:
-                self.store.abandon(obj)
-        if landed and self.tier is not None and res.objects:
+            self.store.commit(obj)
+            stored, stored_bytes = stored + count, stored_bytes + obj.nbytes
+        if self.tier is not None and res.objects:
             with self._lock:
                 inst = self._instances.get(res.instance_id)
             if inst is not None:
                 self.tier.offer_committed(res.key, inst.layout.dtype, [obj for obj, _ in res.objects])
-        if not landed and res.objects:
-            log.warning("store reservation %d for request %s dropped: the engine says no copy landed in it",
-                        reservation, res.request_id)
+        self.metrics.count_committed_store(stored, stored_bytes)
         return {"stored_tokens": stored, "stored_bytes": stored_bytes}
+
+    def _marked(self, res: _Reservation) -> bool:
+        return all(self.store.marked_stored(obj) for obj, _ in res.objects)
+
+    def _commit_marked_reservations(self) -> None:
+        """Commit every reservation whose engine has marked all its objects stored (see
+        :mod:`kvstrata.core.store.l1_store`): called before anything that could find or skip their chunks, and by
+        the lease watcher, so what a store copied is visible to every request sent after it returned."""
+        with self._lock:
+            if not self._reservations:
+                return
+            marked = [(k, r) for k, r in self._reservations.items() if self._marked(r)]
+            for k, r in marked:
+                self._forget_reservation(k, r)
+        for _, res in marked:
+            self._commit_reservation(res)
+
+    def _settle_ended_reservations(self, ended: list[_Reservation]) -> int:
+        """Reservations taken off the books because their instance or connection went: those the engine marked
+        stored before it went are committed (their bytes are in), the rest dropped; how many were dropped."""
+        dropped = 0
+        for res in ended:
+            if self._marked(res):
+                self._commit_reservation(res)
+            else:
+                dropped += 1
+                for obj, _ in res.objects:
+                    self.store.abandon(obj)
+        return dropped
 
     def _forget_reservation(self, reservation: int, res: _Reservation) -> None:
         """Take a reservation off the books (under the lock); its objects are the caller's to commit or drop."""
@@ -678,12 +723,10 @@ class CacheServer:
             dropped = [(k, r) for k, r in list(self._reservations.items()) if r.instance_id == instance_id]
             for k, r in dropped:
                 self._forget_reservation(k, r)
-        for _, res in dropped:
-            for obj, _ in res.objects:
-                self.store.abandon(obj)
-        if dropped:
+        lost = self._settle_ended_reservations([r for _, r in dropped])
+        if lost:
             log.warning("instance %d went away with %d store reservation(s) not committed: dropped", instance_id,
-                        len(dropped))
+                        lost)
 
     def retrieve(self, key: dict[str, Any], instance_id: int, block_ids: list[list[int]],
                  event_handle: bytes | None, skip_first_n_tokens: int, arrival_board: dict[str, Any] | None,
@@ -934,6 +977,7 @@ class CacheServer:
                     elif not self.transport.is_connected(identity):
                         self.end_connection(identity, "it disconnected")
                 self.transport.forget_silent(lease)
+                self._commit_marked_reservations()  # a finished store no request has looked at yet
                 self._bury(now - period)
             except Exception:  # the watcher must outlive any one failure, or leases would stop ending
                 if self._stopping.is_set():
@@ -956,9 +1000,7 @@ class CacheServer:
                 self._forget_reservation(k, res)
             mine = {inst.instance_id for inst in instances}
             owners = set(conn.owners) | {o for o in self._looked_up if instance_of_lock_owner(o) in mine}
-        for k, res in reservations:
-            for obj, _ in res.objects:
-                self.store.abandon(obj)
+        self._settle_ended_reservations([r for _, r in reservations])
         for owner in owners:
             self._release_locks(owner)
         for inst in instances:

@@ -152,8 +152,6 @@ class ServerMetrics:
             key = args[0]
             asked = len(key["tokens"]) // 8 or len(key.get("page_hashes") or ()) * int(key.get("page_size", 0))
             self._add(lookup_hit_tokens=hit, lookup_miss_tokens=max(asked - hit, 0))
-        elif rt == RequestType.COMMIT_STORE:  # an engine-placement STORE: counted once its copies landed
-            self._add(stored_tokens=int(value["stored_tokens"]), stored_bytes=int(value["stored_bytes"]))
         elif rt in (RequestType.STORE, RequestType.RETRIEVE):
             what = "stored" if rt == RequestType.STORE else "retrieved"
             tokens = int(value.get(f"{what}_tokens", 0))
@@ -163,6 +161,10 @@ class ServerMetrics:
                 reason = value.get("fallback") if rt == RequestType.RETRIEVE else None
                 if reason:
                     self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+
+    def count_committed_store(self, tokens: int, nbytes: int) -> None:
+        """An engine-placement STORE's reservation was committed (its engine marked it, or sent COMMIT_STORE)."""
+        self._add(stored_tokens=tokens, stored_bytes=nbytes)
 
     def _add(self, **deltas: float) -> None:
         with self._lock:

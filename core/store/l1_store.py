@@ -33,6 +33,17 @@ for the layers it copies next (:meth:`L1Store.wait_landed` in the server,
 :func:`layers_landed` in an engine). A fill that fails clears the object's
 generation word, so a reader waiting on it, or one that copied from it, fails;
 the object leaves the index once its last lock goes.
+
+Store marks: an engine that copies a prompt into objects the server reserved
+(engine placement) says its copies landed by writing each object's generation
+into that object's slot of a third table, the *store marks*, which engines map
+writable (:meth:`L1Store.marked_stored`). The server commits a reservation once
+every one of its objects is marked, at the next request that could see it
+(LOOKUP, a store) or its lease watcher's next turn, so the engine's store ends
+when its copies do, with no round trip after them, and any LOOKUP sent after the
+store returned finds the prompt. A mark holding another generation (a slot's
+earlier object) commits nothing. Writing marks gives an engine no power it does
+not have already: it maps the pool itself writable.
 """
 
 from __future__ import annotations
@@ -194,8 +205,16 @@ class L1Store:
         except BaseException:
             self.segment.destroy()
             raise
+        try:
+            self.store_mark_segment = Segment.create("l1mark", self.max_objects * 8)
+        except BaseException:
+            self.segment.destroy()
+            self.generation_segment.destroy()
+            raise
         self.generations, self.landed = split_generation_table(
             np.frombuffer(self.generation_segment.buf, dtype=np.uint64), self.max_objects)
+        self.store_marks = np.frombuffer(self.store_mark_segment.buf, dtype=np.uint64)
+        """Per slot: the generation of the reserved object an engine's copies filled (the module docstring)."""
         self._free_slots = list(range(self.max_objects - 1, -1, -1))
         self._next_generation = 1
         self._free = _FreeList(capacity_bytes)
@@ -319,6 +338,7 @@ class L1Store:
             self._next_generation += 1
             self.generations[slot] = generation
             self.landed[slot] = 0
+            self.store_marks[slot] = 0
             obj = StoredObject(digest, offset, nbytes, num_tokens, shape_signature, locks=1, slot=slot,
                                generation=generation)
             self._objects[digest] = obj
@@ -329,6 +349,10 @@ class L1Store:
         with self._lock:
             obj = self._objects.get(digest)
             return obj is not None and not obj.committed
+
+    def marked_stored(self, obj: StoredObject) -> bool:
+        """Whether the engine copying into reserved ``obj`` has marked it stored (its copies landed)."""
+        return int(self.store_marks[obj.slot]) == obj.generation
 
     def _free_object(self, obj: StoredObject) -> None:
         """Forget ``obj`` and give its memory back; its generation word is cleared first, so a reader that
@@ -421,5 +445,7 @@ class L1Store:
     def close(self) -> None:
         del self.pool
         del self.generations
+        del self.store_marks
         self.segment.destroy()
         self.generation_segment.destroy()
+        self.store_mark_segment.destroy()

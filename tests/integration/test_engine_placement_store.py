@@ -11,7 +11,7 @@ from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.transport import RemoteError
 
-from helpers import SMALL_32, engine_loop, lookup_into_fresh_blocks, random_prompt
+from helpers import SMALL_32, engine_loop, inprocess_cache_server, lookup_into_fresh_blocks, random_prompt
 
 TOKENS = 96  # with the suite's 64-token chunks: one whole chunk and a partial one
 
@@ -69,6 +69,84 @@ def test_reserved_objects_are_invisible_until_committed_and_a_dropped_reservatio
     assert client.server_info()["l1"]["free_bytes"] == free_before, "a dropped reservation frees its objects"
     with pytest.raises(RemoteError, match="no store reservation"):
         client.commit_store(reply["reservation"], True)
+
+
+def test_a_reservation_is_committed_once_every_object_is_marked_with_its_generation(client, server, worker):
+    """The engine marks its objects stored instead of a COMMIT_STORE round trip; the server commits the
+    reservation before it answers the next LOOKUP from any connection, and only on marks of these objects."""
+    import numpy as np
+
+    from kvstrata.core.shm import Segment
+
+    prompt = random_prompt(TOKENS, seed=50)
+    reply = client.reserve_store(CacheKey.for_tokens("s10", prompt, model="m"), 31, 0)
+    ref = reply["store_marks"]
+    seg = Segment.attach(ref["name"], int(ref["slots"]) * 8)
+    other = CacheClient(server.address, timeout=20.0)
+    try:
+        marks = np.frombuffer(seg.buf, dtype=np.uint64, count=int(ref["slots"]))
+        (_, _, _, _, slot0, gen0), (_, _, _, _, slot1, gen1) = reply["objects"]
+        marks[slot0] = gen0
+        assert other.lookup(CacheKey.for_tokens("peek10", prompt, model="m")) == 0, "one object is still copying"
+        marks[slot1] = gen1 + 1
+        assert other.lookup(CacheKey.for_tokens("peek10b", prompt, model="m")) == 0, "another object's mark"
+        marks[slot1] = gen1
+        assert other.lookup(CacheKey.for_tokens("peek10c", prompt, model="m")) == TOKENS
+        with pytest.raises(RemoteError, match="no store reservation"):
+            client.commit_store(reply["reservation"], False)  # committed: it is no reservation any more
+        del marks
+    finally:
+        other.close()
+        seg.close()
+
+
+def test_a_store_is_found_by_a_lookup_from_another_connection_as_soon_as_it_returns(client, server, worker):
+    w, engine = worker
+    prompt = random_prompt(TOKENS, seed=51)
+    assert w.store(CacheKey.for_tokens("s11", prompt, model="m"), [computed(engine, prompt)]) == \
+        {"stored_tokens": TOKENS, "skipped_tokens": 0}
+    other = CacheClient(server.address, timeout=20.0)
+    try:
+        assert other.lookup(CacheKey.for_tokens("peek11", prompt, model="m")) == TOKENS
+    finally:
+        other.close()
+
+
+def test_a_store_marked_before_its_connection_ended_is_kept_and_one_not_marked_is_dropped():
+    import time
+
+    engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
+    kept, lost = random_prompt(TOKENS, seed=52), random_prompt(TOKENS, seed=53)
+    with inprocess_cache_server(8 << 20) as srv:
+        own = CacheClient(srv.address, timeout=20.0)
+        area = RegistrationArea(engine.layout, chunk_size=64)
+        w = EnginePlacement(own, 35, engine.layout, local_regions=engine.regions, registration_layout=area.layout,
+                            pool_writable=True)
+        try:
+            w.register()
+            free_before = own.server_info()["l1"]["free_bytes"]
+            own.reserve_store(CacheKey.for_tokens("s13", lost, model="m"), 35, 0)  # never copied, never marked
+            # marked last: no request of this connection comes after to commit it, its end does (or the watcher)
+            stored = w.store(CacheKey.for_tokens("s12", kept, model="m"), [computed(engine, kept)])
+            assert stored["stored_tokens"] == TOKENS
+            free_before -= TOKENS // 64 * engine.layout.object_bytes(64) + engine.layout.object_bytes(TOKENS % 64)
+        finally:
+            w.close()
+            own.close()  # the connection ends: its instance and reservations go
+            area.close()
+        deadline = time.monotonic() + 60  # the lease watcher notices the disconnect (a bound for hangs only)
+        while srv.connections_ended < 1:
+            assert time.monotonic() < deadline, "the server never ended the closed connection"
+            time.sleep(0.01)
+        probe = CacheClient(srv.address, timeout=20.0)
+        try:
+            assert probe.server_info()["l1"]["free_bytes"] == free_before, "the unmarked reservation is dropped"
+            form = engine.layout.object_form()  # no cache is registered any more to tell the server
+            assert probe.lookup(CacheKey.for_tokens("peek12", kept, model="m", dtype=form)) == TOKENS
+            assert probe.lookup(CacheKey.for_tokens("peek13", lost, model="m", dtype=form)) == 0
+        finally:
+            probe.close()
+            engine.close()
 
 
 def test_a_failed_copy_drops_the_reservation(client, worker):
