@@ -1,7 +1,7 @@
 """Engine-placement transfers (engine placement) on a GPU in every engine format and dtype.
 
 The same check as ``test_gpu_server.py``, with this process doing every copy: it STOREs by copying its
-blocks into objects the server reserved (RESERVE_STORE / COMMIT_STORE), then loads each width into its own
+blocks into objects the server reserved (RESERVE_STORE, then its store marks), then loads each width into its own
 shuffled destination blocks from the pool it mapped, on its own streams. No CUDA IPC export: the server
 is told a ``RegistrationArea``. Reads are enqueued right after each layer's wait, on the engine's stream,
 while later slices may still be copying.

@@ -26,7 +26,7 @@ CHUNK = 256
 @pytest.mark.parametrize("placement", ["server", "engine"])
 def test_one_gib_retrieve_is_released_in_flight_and_every_layer_reads_correct(tmp_path, placement):
     """``server``: the server copies over CUDA IPC; ``worker``: engine-placement, stored through
-    RESERVE_STORE/COMMIT_STORE and loaded from the mapped pool by this process's own copies."""
+    RESERVE_STORE and its store marks, and loaded from the mapped pool by this process's own copies."""
     from kvstrata.native.cuda_events import CudaEventBackend
     from kvstrata_testing.gpu_caches import GpuKVCache
 
