@@ -149,6 +149,33 @@ def test_a_store_marked_before_its_connection_ended_is_kept_and_one_not_marked_i
             engine.close()
 
 
+def test_the_lease_watcher_commits_a_marked_store_no_request_has_looked_at():
+    """The shared tier is offered a store at its commit, and a connection's reservation share is freed then: a
+    marked store must not wait for a LOOKUP that may never come."""
+    import time
+
+    engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
+    prompt = random_prompt(TOKENS, seed=54)
+    with inprocess_cache_server(8 << 20) as srv:
+        own = CacheClient(srv.address, timeout=20.0)
+        area = RegistrationArea(engine.layout, chunk_size=64)
+        w = EnginePlacement(own, 36, engine.layout, local_regions=engine.regions, registration_layout=area.layout,
+                            pool_writable=True)
+        try:
+            w.register()
+            w.store(CacheKey.for_tokens("s14", prompt, model="m"), [computed(engine, prompt)])
+            deadline = time.monotonic() + 60  # the watcher's turn comes every second at most; a bound for hangs
+            while srv.store.stats()["locked_objects"]:  # a reserved object is locked until its commit
+                assert time.monotonic() < deadline, "the marked store was never committed"
+                time.sleep(0.01)
+            assert own.lookup(CacheKey.for_tokens("peek14", prompt, model="m")) == TOKENS
+        finally:
+            w.close()
+            own.close()
+            area.close()
+            engine.close()
+
+
 def test_a_failed_copy_drops_the_reservation(client, worker):
     w, engine = worker
     prompt = random_prompt(TOKENS, seed=43)
