@@ -1,5 +1,7 @@
 """Worker-placement STOREs: the engine copies into objects the server reserved, then commits them."""
 
+import contextlib
+
 import pytest
 
 from kvstrata.core.engine.engine_placement import EnginePlacement
@@ -29,6 +31,23 @@ def worker(client):
     client.unregister_kv_cache(31)
     area.close()
     engine.close()
+
+
+@contextlib.contextmanager
+def storing_connection(srv, engine, instance_id):
+    """A connection of its own to ``srv`` with an engine-placement instance that stores; closed on exit (the
+    server then ends the connection)."""
+    own = CacheClient(srv.address, timeout=20.0)
+    area = RegistrationArea(engine.layout, chunk_size=64)
+    w = EnginePlacement(own, instance_id, engine.layout, local_regions=engine.regions,
+                        registration_layout=area.layout, pool_writable=True)
+    try:
+        w.register()
+        yield own, w
+    finally:
+        w.close()
+        own.close()
+        area.close()
 
 
 def computed(engine, prompt):
@@ -118,22 +137,13 @@ def test_a_store_marked_before_its_connection_ended_is_kept_and_one_not_marked_i
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     kept, lost = random_prompt(TOKENS, seed=52), random_prompt(TOKENS, seed=53)
     with inprocess_cache_server(8 << 20) as srv:
-        own = CacheClient(srv.address, timeout=20.0)
-        area = RegistrationArea(engine.layout, chunk_size=64)
-        w = EnginePlacement(own, 35, engine.layout, local_regions=engine.regions, registration_layout=area.layout,
-                            pool_writable=True)
-        try:
-            w.register()
+        with storing_connection(srv, engine, 35) as (own, w):  # its end takes its instance and reservations
             free_before = own.server_info()["l1"]["free_bytes"]
             own.reserve_store(CacheKey.for_tokens("s13", lost, model="m"), 35, 0)  # never copied, never marked
             # marked last: no request of this connection comes after to commit it, its end does (or the watcher)
             stored = w.store(CacheKey.for_tokens("s12", kept, model="m"), [computed(engine, kept)])
             assert stored["stored_tokens"] == TOKENS
             free_before -= TOKENS // 64 * engine.layout.object_bytes(64) + engine.layout.object_bytes(TOKENS % 64)
-        finally:
-            w.close()
-            own.close()  # the connection ends: its instance and reservations go
-            area.close()
         deadline = time.monotonic() + 60  # the lease watcher notices the disconnect (a bound for hangs only)
         while srv.connections_ended < 1:
             assert time.monotonic() < deadline, "the server never ended the closed connection"
@@ -156,24 +166,16 @@ def test_the_lease_watcher_commits_a_marked_store_no_request_has_looked_at():
 
     engine = ReferenceEngine(SMALL_32, num_blocks=4 * TOKENS // 16 + 2, block_size=16)
     prompt = random_prompt(TOKENS, seed=54)
-    with inprocess_cache_server(8 << 20) as srv:
-        own = CacheClient(srv.address, timeout=20.0)
-        area = RegistrationArea(engine.layout, chunk_size=64)
-        w = EnginePlacement(own, 36, engine.layout, local_regions=engine.regions, registration_layout=area.layout,
-                            pool_writable=True)
-        try:
-            w.register()
+    try:
+        with inprocess_cache_server(8 << 20) as srv, storing_connection(srv, engine, 36) as (own, w):
             w.store(CacheKey.for_tokens("s14", prompt, model="m"), [computed(engine, prompt)])
             deadline = time.monotonic() + 60  # the watcher's turn comes every second at most; a bound for hangs
             while srv.store.stats()["locked_objects"]:  # a reserved object is locked until its commit
                 assert time.monotonic() < deadline, "the marked store was never committed"
                 time.sleep(0.01)
             assert own.lookup(CacheKey.for_tokens("peek14", prompt, model="m")) == TOKENS
-        finally:
-            w.close()
-            own.close()
-            area.close()
-            engine.close()
+    finally:
+        engine.close()
 
 
 def test_a_failed_copy_drops_the_reservation(client, worker):
