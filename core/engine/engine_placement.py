@@ -50,6 +50,35 @@ class EngineLoad(InFlight):
     load: QueuedLoad | None = None
 
 
+class ServerWords:
+    """A table of 64-bit words the server shares by segment name (the generation table, the store marks), mapped
+    on first use and again when a reply names another segment (the server restarted with a new pool)."""
+
+    def __init__(self, words_per_slot: int, writable: bool) -> None:
+        self.words_per_slot = words_per_slot
+        self.writable = writable
+        self._segment: Segment | None = None
+        self._words: np.ndarray | None = None
+
+    def words(self, ref: dict[str, Any]) -> np.ndarray:
+        """The words of the segment ``ref`` names (``{"name", "slots"}``); the caller serializes calls."""
+        if self._segment is None or self._segment.name != ref["name"]:
+            count = self.words_per_slot * int(ref["slots"])
+            segment = Segment.attach(str(ref["name"]), 8 * count, readonly=not self.writable)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # numpy warns of a read-only buffer: this process never writes it
+                words = np.frombuffer(segment.buf, dtype=np.uint64, count=count)
+            self.close()
+            self._segment, self._words = segment, words
+        return self._words
+
+    def close(self) -> None:
+        self._words = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
 class EnginePlacement(Placement):
     name = PLACEMENT_ENGINE
     reserves_ahead = True
@@ -85,10 +114,10 @@ class EnginePlacement(Placement):
         self.last_store: StoreRecord | None = None
         """The steps of the last :meth:`store`."""
         self._l1_pool: Segment | None = None
-        self._generation_segment: Segment | None = None
-        self._generations: tuple[np.ndarray, np.ndarray] | None = None
-        self._store_mark_segment: Segment | None = None
-        self._store_marks: np.ndarray | None = None
+        self._generation_table = ServerWords(words_per_slot=2, writable=False)
+        """The pool's generation and landed words (read-only): what each load checks its sources against."""
+        self._store_mark_table = ServerWords(words_per_slot=1, writable=True)
+        """The store marks (writable): where a store says its copies landed."""
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
@@ -179,28 +208,12 @@ class EnginePlacement(Placement):
         server restart)."""
         ref = pool["generations"]
         with self._pool_lock:
-            if self._generation_segment is None or self._generation_segment.name != ref["name"]:
-                slots = int(ref["slots"])
-                seg = Segment.attach(str(ref["name"]), slots * 16, readonly=True)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # read-only: this process never writes a word
-                    table = split_generation_table(np.frombuffer(seg.buf, dtype=np.uint64, count=2 * slots), slots)
-                old, self._generation_segment, self._generations = self._generation_segment, seg, table
-                if old is not None:
-                    old.close()
-            return self._generations
+            return split_generation_table(self._generation_table.words(ref), int(ref["slots"]))
 
     def _map_store_marks(self, ref: dict[str, Any]) -> np.ndarray:
         """The store-mark words a RESERVE_STORE reply names, mapped writable (again after a server restart)."""
         with self._pool_lock:
-            if self._store_mark_segment is None or self._store_mark_segment.name != ref["name"]:
-                slots = int(ref["slots"])
-                seg = Segment.attach(str(ref["name"]), slots * 8)
-                old, self._store_mark_segment = self._store_mark_segment, seg
-                self._store_marks = np.frombuffer(seg.buf, dtype=np.uint64, count=slots)
-                if old is not None:
-                    old.close()
-            return self._store_marks
+            return self._store_mark_table.words(ref)
 
     def _copier_for(self, pool: dict[str, Any]) -> LocalCopier:
         with self._pool_lock:
@@ -286,16 +299,11 @@ class EnginePlacement(Placement):
             self._copier.close()
             self._copier = None
         self._l1_tensor = None
-        self._generations = None
-        if self._generation_segment is not None:
-            self._generation_segment.close()
-            self._generation_segment = None
-        self._store_marks = None
-        if self._store_mark_segment is not None:
-            self._store_mark_segment.close()
-            self._store_mark_segment = None
+        self._generation_table.close()
+        self._store_mark_table.close()
         if self._l1_pool is not None:
             self._l1_pool.close()
         if self.registration_area is not None:
             self.registration_area.close()
             self.registration_area = None
+
