@@ -200,11 +200,11 @@ class _ProgramCopier(_GatedCopier):
         return Recording()
 
     @contextlib.contextmanager
-    def slice_program(self):
+    def slice_program(self, first=False):
         self.programs.append(("program", []))
         yield
 
-    def enqueue_slices(self, executor, job, slices):
+    def enqueue_slices(self, executor, job, slices, first=False):
         self.programs.append(("enqueue_slices", []))
         completions = []
         for start, count in slices:
