@@ -446,8 +446,6 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                            if rec.located_at is not None else {}),
                     })
             out["verified"] = verified
-            if placement == "engine":  # the programs on the way to a first layer its planning thread issued itself
-                out["programs_issued_at_once"] = getattr(worker._copier.issuer, "issued_here", None)
             res = {}
             for width in widths:
                 rows = runs[width]

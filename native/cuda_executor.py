@@ -954,21 +954,9 @@ class CudaLocalCopier:
             return self.engine.executor([span_view(self.pool, signature, off, tokens) for off, tokens in spans])
         return self.engine.pool_executor(spans)
 
-    def slice_program(self, first: bool = False) -> ContextManager[Any]:
-        """Plan one slice inside this: on exit its GPU work goes to the native thread in one call. ``first``: the
-        program on the way to a load's first layer, issued on this thread where that is quicker
-        (:meth:`_issue_now`)."""
-        if self.issuer is None:
-            return contextlib.nullcontext()
-        return self.issuer.program(issue_now=first and self._issue_now())
-
-    def _issue_now(self) -> bool:
-        """Whether a small program on the way to a load's first layer may be issued on the planning thread
-        (``LoadIssuer.program(issue_now=True)``): once the pool is registered for DMA. Before that a copy from it
-        is a pageable one, which the driver may carry out before its call returns, on the planning thread: the
-        engine's, when a load is planned at submit."""
-        pinning = self.engine.pinning
-        return pinning is None or pinning.registered
+    def slice_program(self) -> ContextManager[Any]:
+        """Plan one slice inside this: on exit its GPU work goes to the native thread in one call."""
+        return self.issuer.program() if self.issuer is not None else contextlib.nullcontext()
 
     def mark_slice(self, executor: Any) -> "IssuedSlice | torch.cuda.Event":
         e = self.engine
@@ -982,11 +970,10 @@ class CudaLocalCopier:
             self.issuer.event_record(event.cuda_event, e.stream.cuda_stream)
             return IssuedSlice(self.issuer, self.issuer.mark(), event, self._spare_events.append)
 
-    def enqueue_slices(self, executor: Any, job: TransferJob, slices: Sequence[tuple[int, int]],
-                       first: bool = False) -> "list[IssuedSlice | torch.cuda.Event]":
+    def enqueue_slices(self, executor: Any, job: TransferJob,
+                       slices: Sequence[tuple[int, int]]) -> "list[IssuedSlice | torch.cuda.Event]":
         """Plan ``slices`` of a load and hand them to the native thread as one program (see
-        :meth:`CudaExecutor.scatter_slices`); each slice's completion, in order. ``first``: the rest of the load's
-        first slice (see :meth:`slice_program`)."""
+        :meth:`CudaExecutor.scatter_slices`); each slice's completion, in order."""
         if self.issuer is None:  # torch mode: the copies are enqueued as they are planned
             completions = []
             for start, count in slices:
@@ -994,7 +981,7 @@ class CudaLocalCopier:
                 completions.append(self.mark_slice(executor))
             return completions
         events = [self._slice_event() for _ in slices]
-        with self.issuer.program(issue_now=first and self._issue_now()):
+        with self.issuer.program():
             cells = executor.scatter_slices(job, slices, [event.cuda_event for event in events])
         recycle = self._spare_events.append
         return [IssuedSlice(self.issuer, cell, event, recycle) for cell, event in zip(cells, events)]

@@ -35,12 +35,6 @@ from kvstrata.core.arrival.gate import LayerWaitTimeout, TransferFailed
 OP_MEMCPY2D, OP_MEMCPY, OP_WAIT_EVENT, OP_RECORD_EVENT, OP_COPY, OP_TABLE_FROM_HOST, OP_MARK = range(1, 8)
 """The op codes of ``native/csrc/load_issuer.h``."""
 
-ISSUE_NOW_MAX_WORDS = 256
-"""The largest program a planning thread issues itself when the native thread has nothing to do
-(:meth:`LoadIssuer.program` with ``issue_now``): a few staging pieces, tens of microseconds of driver calls under
-the GIL, where waking the sleeping native thread takes 0.1-0.5 ms on a virtual machine. Larger programs always
-go to the native thread."""
-
 ISSUE_WAIT_S = 60.0
 """How long a wait for a slice's mark may take before it fails the load. Issuing a slice takes microseconds; the
 driver blocks a call only while the stream's queue is full, i.e. behind copies already running. The bound only
@@ -91,8 +85,6 @@ class LoadIssuer:
         """Held from a program's first recorded op to its submission: plans reach the GPU in the order made."""
         self._local = threading.local()
         self._next_mark = 1
-        self.issued_here = 0
-        """Programs issued on the thread that submitted them (``issue_now``), not on the native thread."""
 
     def __getattr__(self, name: str) -> Any:  # what does not enqueue GPU work: the extension itself
         return getattr(self._ext, name)
@@ -100,17 +92,11 @@ class LoadIssuer:
     # --- programs --------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def program(self, issue_now: bool = False) -> Iterator["LoadIssuer"]:
+    def program(self) -> Iterator["LoadIssuer"]:
         """Record this thread's GPU work until the block ends, then hand it to the native thread in one call.
 
-        ``issue_now``: the program is on the way to a load's first layer (its first copy, the rest of its first
-        slice). If it is small (:data:`ISSUE_NOW_MAX_WORDS`) and the native thread has nothing queued or being
-        issued, this thread issues it at once, keeping the order of everything submitted, instead of waking
-        the native thread; otherwise it is queued as any program. What a ``hand_over`` inside it submits is
-        treated alike.
-
-        Programs nest (an inner one joins the outer, and its ``issue_now`` is the outer's). On an exception
-        nothing recorded is submitted, so a slice that failed half-planned issues nothing.
+        Programs nest (an inner one joins the outer). On an exception nothing recorded is submitted, so a
+        slice that failed half-planned issues nothing.
         """
         outer = getattr(self._local, "program", None)
         if outer is not None:
@@ -118,7 +104,6 @@ class LoadIssuer:
             return
         with self._lock:
             self._local.program = _Program()
-            self._local.issue_now = issue_now
             try:
                 yield self
                 self._submit(self._local.program)
@@ -194,9 +179,7 @@ class LoadIssuer:
         for number, cell in enumerate(program.marks, first):
             cell[0] = number
         self._next_mark += n
-        issue_now = self._local.issue_now and len(words) <= ISSUE_NOW_MAX_WORDS
-        if self._native.submit(words.ctypes.data, len(words), issue_now):
-            self.issued_here += 1
+        self._native.submit(words.ctypes.data, len(words))
 
     def _record(self, *ops: Any) -> None:
         program = getattr(self._local, "program", None)

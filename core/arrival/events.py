@@ -30,11 +30,9 @@ class LocalCopier(Protocol):
         """An executor for one retrieve's objects, given as (byte offset in the pool, tokens) as the server
         located them (addresses by arithmetic: no per-object tensor on the way to the first copy)."""
 
-    def slice_program(self, first: bool = False) -> ContextManager[Any]:
+    def slice_program(self) -> ContextManager[Any]:
         """The queue plans each slice inside this: where a slice's GPU work is issued by a native thread, it is
-        handed over in one call on exit (on the CPU the copies run in the calls). ``first``: the program holds a
-        load's first layer, on the way to its release: a copier may issue it on the calling thread where that
-        is quicker than handing it over."""
+        handed over in one call on exit (on the CPU the copies run in the calls)."""
 
     def mark_slice(self, executor: "Executor") -> Any:
         """Inside the slice's program, right after the slice was enqueued: what a layer wait waits on for it (None: it has landed already)."""
@@ -44,10 +42,9 @@ class LocalCopier(Protocol):
         every slice enqueued before it (then the locks may go). None: nothing is pending."""
 
     # Optional (a copier whose slices are issued by a native thread):
-    #   def enqueue_slices(self, executor, job, slices: Sequence[tuple[int, int]], first: bool = False) -> list[Any]
+    #   def enqueue_slices(self, executor, job, slices: Sequence[tuple[int, int]]) -> list[Any]
     # plans every (layer_start, layer_count) slice of a load at once and hands them over as one program; returns
-    # each slice's completion, as mark_slice would (``first``: the rest of the load's first slice, as in
-    # slice_program). The queue then plans a load's first layer alone (issued at
+    # each slice's completion, as mark_slice would. The queue then plans a load's first layer alone (issued at
     # once), the rest of its first slice in one call and every later slice in another, instead of a program per
     # slice; ``slices`` need not start at layer 0 nor cover every layer. Without it, the queue goes slice by slice
     # (on the CPU a slice's copies run in its call, and a failure between slices stops the rest).
@@ -128,7 +125,7 @@ class HostCopier:
         objects = [span_view(self.pool, signature, offset, tokens) for offset, tokens in spans]
         return TorchExecutor(self.regions, objects)
 
-    def slice_program(self, first: bool = False) -> ContextManager[Any]:
+    def slice_program(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
     def mark_slice(self, executor: "Executor") -> Any:

@@ -309,12 +309,12 @@ class TransferQueue:
                 observer(load.request_id, 0)
             if load.gate.failure:
                 raise TransferAborted(load.gate.failure)
-            with load.copier.slice_program(first=True):
+            with load.copier.slice_program():
                 load.executor.scatter(load.job, start, 1)
                 completion = load.copier.mark_slice(load.executor)
             load.record.first_slice_at = time.perf_counter()
             if count > 1:
-                [completion] = enqueue_slices(load.executor, load.job, [(start + 1, count - 1)], first=True)
+                [completion] = enqueue_slices(load.executor, load.job, [(start + 1, count - 1)])
             load.last_completion = completion
             load.gate.record_slice(start, count, completion)
             planner.slice_published(load.request_id, 0, observer)

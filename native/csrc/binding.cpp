@@ -150,13 +150,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int>(), py::arg("device"))
       .def(
           "submit",
-          [](kvstrata::LoadIssuer& self, uintptr_t words, int64_t n_words, bool issue_if_idle) {
-            return self.submit(reinterpret_cast<const int64_t*>(words), n_words, issue_if_idle);
+          [](kvstrata::LoadIssuer& self, uintptr_t words, int64_t n_words) {
+            self.submit(reinterpret_cast<const int64_t*>(words), n_words);
           },
-          "Queue the program of n_words int64 words at address words (copied before this returns); with "
-          "issue_if_idle, issue it on this thread (keeping the GIL) when nothing is queued or being issued. "
-          "Whether it was issued here",
-          py::arg("words"), py::arg("n_words"), py::arg("issue_if_idle") = false)
+          "Queue the program of n_words int64 words at address words (copied before this returns)",
+          py::arg("words"), py::arg("n_words"))
       .def("issued_mark", &kvstrata::LoadIssuer::issued_mark)
       .def("wait_mark", &kvstrata::LoadIssuer::wait_mark, py::call_guard<py::gil_scoped_release>(),
            "Wait without the GIL until mark is issued or timeout_us passed; whether it was", py::arg("mark"),

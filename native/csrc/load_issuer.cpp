@@ -33,7 +33,7 @@ LoadIssuer::LoadIssuer(int device) : device_(device) { thread_ = std::thread([th
 
 LoadIssuer::~LoadIssuer() { close(); }
 
-bool LoadIssuer::submit(const int64_t* words, int64_t n_words, bool issue_if_idle) {
+void LoadIssuer::submit(const int64_t* words, int64_t n_words) {
   for (int64_t i = 0; i < n_words;) {
     if (i + 2 > n_words) throw std::invalid_argument("kvstrata issuer: a program ends inside an op header");
     const int64_t op = words[i], n_args = words[i + 1];
@@ -43,27 +43,13 @@ bool LoadIssuer::submit(const int64_t* words, int64_t n_words, bool issue_if_idl
                                   std::to_string(i));
     i += 2 + n_args;
   }
+  Program p{std::vector<int64_t>(words, words + n_words)};
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_) throw std::runtime_error("kvstrata issuer: closed");
-    if (!issue_if_idle || issuing_ || !queue_.empty()) {
-      queue_.push_back(Program{std::vector<int64_t>(words, words + n_words)});
-      issue_if_idle = false;
-    } else {
-      issuing_ = true;  // the native thread takes nothing queued meanwhile until this program is issued
-    }
+    queue_.push_back(std::move(p));
   }
-  if (!issue_if_idle) {
-    queued_cv_.notify_one();
-    return false;
-  }
-  execute(words, n_words);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    issuing_ = false;
-  }
-  queued_cv_.notify_one();  // a program another thread queued while this one was issued
-  return true;
+  queued_cv_.notify_one();
 }
 
 bool LoadIssuer::wait_mark(uint64_t mark, int64_t timeout_us) {
@@ -102,21 +88,18 @@ void LoadIssuer::run() {
     Program p;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      queued_cv_.wait(lock, [&] { return (closing_ || !queue_.empty()) && !issuing_; });
+      queued_cv_.wait(lock, [&] { return closing_ || !queue_.empty(); });
       if (queue_.empty()) return;  // closing, and everything queued was issued
       p = std::move(queue_.front());
       queue_.pop_front();
-      issuing_ = true;
     }
-    execute(p.words.data(), static_cast<int64_t>(p.words.size()));
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      issuing_ = false;
-    }
+    execute(p);
   }
 }
 
-void LoadIssuer::execute(const int64_t* w, int64_t n) {
+void LoadIssuer::execute(const Program& program) {
+  const int64_t* w = program.words.data();
+  const int64_t n = static_cast<int64_t>(program.words.size());
   int64_t i = 0;
   try {
     for (; i < n; i += 2 + w[i + 1]) {

@@ -40,12 +40,9 @@ class LoadIssuer {
   LoadIssuer(const LoadIssuer&) = delete;
   LoadIssuer& operator=(const LoadIssuer&) = delete;
 
-  // Copies the program and queues it; returns at once. With issue_if_idle, when nothing is queued or being
-  // issued, issues it on the calling thread instead (waking the sleeping native thread takes 0.1-0.5 ms on a
-  // virtual machine: meant for the few ops on the way to a load's first layer); returns whether it did. Throws if
-  // the issuer is closed or the program is malformed (checked here, on the caller's thread, so a bad program is
-  // the caller's error).
-  bool submit(const int64_t* words, int64_t n_words, bool issue_if_idle = false);
+  // Copies the program and queues it; returns at once. Throws if the issuer is closed or the program is
+  // malformed (checked here, on the caller's thread, so a bad program is the caller's error).
+  void submit(const int64_t* words, int64_t n_words);
   // The highest mark issued so far.
   uint64_t issued_mark() const { return issued_mark_.load(std::memory_order_acquire); }
   // Waits until `mark` is issued or timeout_us passed; whether it was.
@@ -60,7 +57,7 @@ class LoadIssuer {
     std::vector<int64_t> words;
   };
   void run();
-  void execute(const int64_t* w, int64_t n);
+  void execute(const Program& program);
 
   const int device_;
   mutable std::mutex mutex_;
@@ -68,7 +65,6 @@ class LoadIssuer {
   std::condition_variable issued_cv_;
   std::deque<Program> queue_;
   bool closing_ = false;
-  bool issuing_ = false;  // a program is being issued (by the native thread or a submitting one): order is kept
   std::atomic<uint64_t> issued_mark_{0};
   std::deque<std::pair<std::pair<uint64_t, uint64_t>, std::string>> failures_;  // (first, last mark), why
   std::thread thread_;

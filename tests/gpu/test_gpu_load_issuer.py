@@ -1,7 +1,6 @@
 """The copier's native issuing thread (``kvstrata.native.load_issuer``): planned work reaches the GPU in the order
-it was planned, a slice is never landed before its program is submitted, a program that fails on the native
-thread fails the slices it carries without stopping the programs after it, and a small program on the way to a
-load's first layer is issued by the thread that planned it while the native thread has nothing to do."""
+it was planned, a slice is never landed before its program is submitted, and a program that fails on the native
+thread fails the slices it carries without stopping the programs after it."""
 
 from __future__ import annotations
 
@@ -79,44 +78,8 @@ def test_what_a_program_hands_over_is_issued_before_the_program_ends_and_the_res
     assert rest.mark[0] > copied.mark[0] and torch.equal(again.cpu(), src)
 
 
-def test_a_small_first_layer_program_is_issued_by_the_thread_that_planned_it_when_the_issuer_is_idle(issuer):
-    """``program(issue_now=True)``: the native thread sleeps while it has nothing queued (waking it takes 0.1-0.5
-    ms on a virtual machine), so the planning thread issues the program itself: its mark is issued when the block
-    ends, with nothing waited for, and what it copies lands."""
-    from kvstrata.native.load_issuer import IssuedSlice
-
-    stream = torch.cuda.Stream()
-    src = torch.arange(1 << 20, dtype=torch.uint8).pin_memory()
-    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    rows = _copy_row(dst, src)
-    ev = _event()
-    with issuer.program(issue_now=True):
-        issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
-        issuer.event_record(ev.cuda_event, stream.cuda_stream)
-        done = IssuedSlice(issuer, issuer.mark(), ev)
-    assert issuer.issued_here == 1
-    assert issuer.issued(done.mark[0])  # on the stream already, not waiting for the native thread
-    done.synchronize()
-    assert torch.equal(dst.cpu(), src)
-
-
-def test_a_program_too_large_to_issue_at_once_goes_to_the_native_thread(issuer):
-    from kvstrata.native.load_issuer import ISSUE_NOW_MAX_WORDS, IssuedSlice
-
-    stream = torch.cuda.Stream()
-    ev = _event()
-    with issuer.program(issue_now=True):
-        for _ in range(ISSUE_NOW_MAX_WORDS // 4 + 1):  # a record is 4 words
-            issuer.event_record(ev.cuda_event, stream.cuda_stream)
-        done = IssuedSlice(issuer, issuer.mark(), ev)
-    done.synchronize()
-    assert issuer.issued_here == 0 and done.query()
-
-
-@pytest.mark.parametrize("issue_now", [False, True], ids=["queued", "some-issued-at-once"])
-def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer, issue_now):
-    """Each program overwrites the same bytes; the last submitted wins, whichever thread planned it, and also
-    where half of them may be issued by the thread that planned them (``issue_now``)."""
+def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer):
+    """Each program overwrites the same bytes; the last submitted wins, whichever thread planned it."""
     import threading
 
     from kvstrata.native.load_issuer import IssuedSlice
@@ -131,7 +94,7 @@ def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer, 
     def plan(i: int) -> None:
         ev = _event()
         rows = _copy_row(dst, sources[i])
-        with issuer.program(issue_now=issue_now and i % 2 == 0):
+        with issuer.program():
             issuer.memcpy_runs(rows.data_ptr(), 1, 0, stream.cuda_stream)
             issuer.event_record(ev.cuda_event, stream.cuda_stream)
             done = IssuedSlice(issuer, issuer.mark(), ev)
@@ -151,20 +114,16 @@ def test_programs_from_two_threads_reach_the_stream_in_submission_order(issuer, 
     assert int(dst[0]) == order[-1] + 1 and bool((dst == order[-1] + 1).all())
 
 
-@pytest.mark.parametrize("issue_now", [False, True], ids=["native-thread", "planning-thread"])
-def test_a_program_that_fails_on_the_native_thread_fails_its_slices_and_the_next_program_runs(issuer, issue_now):
-    """Also where the planning thread issued the failing program itself: the failure is its slices', reported
-    the same way, never raised into the planner."""
+def test_a_program_that_fails_on_the_native_thread_fails_its_slices_and_the_next_program_runs(issuer):
     from kvstrata.native.load_issuer import IssuedSlice
 
     stream = torch.cuda.Stream()
     bad_ev, good_ev = _event(), _event()
-    with issuer.program(issue_now=issue_now):
+    with issuer.program():
         # kv=3 is refused by the launch's own checks, on the native thread
         issuer.copy(True, 0, 0, 0, 1, 3, 1, 0, 1, 1, 0, 16, 16, 16, 16, 1, 0, stream.cuda_stream)
         issuer.event_record(bad_ev.cuda_event, stream.cuda_stream)
         bad = IssuedSlice(issuer, issuer.mark(), bad_ev)
-    assert issuer.issued_here == int(issue_now)
     with pytest.raises(TransferFailed, match="kv must be 1 or 2"):
         bad.wait(torch.cuda.current_stream())
     assert not bad.query()

@@ -200,11 +200,11 @@ class _ProgramCopier(_GatedCopier):
         return Recording()
 
     @contextlib.contextmanager
-    def slice_program(self, first=False):
+    def slice_program(self):
         self.programs.append(("program", []))
         yield
 
-    def enqueue_slices(self, executor, job, slices, first=False):
+    def enqueue_slices(self, executor, job, slices):
         self.programs.append(("enqueue_slices", []))
         completions = []
         for start, count in slices:

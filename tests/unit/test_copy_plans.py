@@ -120,10 +120,9 @@ class RecordingNative:
     def __init__(self, device: int) -> None:
         self.programs: list[np.ndarray] = []
 
-    def submit(self, address: int, n_words: int, issue_if_idle: bool = False) -> bool:
+    def submit(self, address: int, n_words: int) -> None:
         import ctypes
         self.programs.append(np.frombuffer((ctypes.c_int64 * n_words).from_address(address), dtype=np.int64).copy())
-        return False
 
 
 class Buffer:
