@@ -306,4 +306,3 @@ class EnginePlacement(Placement):
         if self.registration_area is not None:
             self.registration_area.close()
             self.registration_area = None
-
