@@ -210,11 +210,11 @@ class CacheServer:
         return self.transport.address
 
     def start(self) -> None:
-        self.transport.start()
-        self._leases.start()
-        if self.config.metrics_port is not None:
+        if self.config.metrics_port is not None:  # before any request is served: SERVER_INFO names the port
             host = "0.0.0.0" if self.config.allow_remote else "127.0.0.1"
             self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
+        self.transport.start()
+        self._leases.start()
         log.info("kvstrata server %s listening on %s: L1 %d MiB in shared memory %s, chunk %d tokens, "
                  "%d transfer threads", VERSION, self.address, self.config.l1_bytes >> 20,
                  self.store.segment.name, self.config.chunk_size, self.config.transfer_threads)
