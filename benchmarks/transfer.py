@@ -439,6 +439,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
+                        "first_layer_ahead": bool(getattr(rec, "first_layer_ahead", False)),
                         **({"replied_ms": (rec.replied_at - rec.submitted_at) * 1e3,
                             "located_ms": (rec.located_at - rec.submitted_at) * 1e3,
                             "planned_ms": (rec.planned_at - rec.submitted_at) * 1e3,
@@ -455,6 +456,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                                     "first_slice_enqueued_ms")
                                    if k in rows[0]}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
+                res[str(width)]["first_layer_ahead"] = sum(r["first_layer_ahead"] for r in rows)
                 if width != 0:  # paired with the chunk-major retrieve of the same round
                     res[str(width)]["overhead_vs_chunk_major_ms"] = stats(
                         [r["complete_ms"] - c["complete_ms"] for r, c in zip(rows, runs[0])])
@@ -798,7 +800,9 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                       + (f"  replied {r['replied_ms']['median']:.3f} located {r['located_ms']['median']:.3f}"
                          f" planned {r['planned_ms']['median']:.3f}"
                          f" first enqueued "
-                         f"{r['first_slice_enqueued_ms']['median']:.3f}" if "located_ms" in r else ""))
+                         f"{r['first_slice_enqueued_ms']['median']:.3f}"
+                         f" first layer ahead {r.get('first_layer_ahead', 0)}/{r['release_ms']['n']}"
+                         if "located_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
     ee = result.get("engine_placement")

@@ -241,7 +241,9 @@ class CudaTransferEngine:
                            and layout.block_stride == layout.block_size * self.row_bytes
                            and not layout.is_hybrid)
         self._staging: list[torch.Tensor] = []
-        self._stage_lock = threading.Lock()
+        self._stage_lock = threading.RLock()
+        """Held while staging buffers are handed out and used; re-entered by a load whose first layer was staged
+        ahead (:class:`StagedFirstLayer` holds it from that copy until the layer's scatter is planned)."""
         self._piece = 0
         if self.config.mode == "staged":
             with torch.cuda.device(device_index):
@@ -362,6 +364,18 @@ class CudaTransferEngine:
             self._table_slots.append(slot)
             return slot
 
+    def abandon_staging(self, buffer: int) -> None:
+        """A piece whose copy into staging ``buffer`` was enqueued failed before its scatter: its buffer is idle
+        once that copy has run (the copy stream records it), so a later piece waits for the copy, not for a
+        scatter that will never come. What the failed piece recorded after the copy is dropped."""
+        discard = getattr(self.ext, "discard", None)
+        if discard is not None:  # a LoadIssuer: recorded ops reach the GPU only when handed over
+            discard()
+            self.ext.event_record(self._idle_h[buffer], self.copy_stream.cuda_stream)
+            self.ext.hand_over()
+        else:
+            self.ext.event_record(self._idle_h[buffer], self.copy_stream.cuda_stream)
+
     def release_table(self, slot: _TableSlot) -> None:
         """Hand a table slot back once everything using it is enqueued: reusable after that has run."""
         self.ext.event_record(slot.done_handle, self.stream.cuda_stream)
@@ -436,6 +450,9 @@ class CudaExecutor:
         self._uniform = 0  # tokens per object when every copy is a whole object of that size
         self._tables: dict[Any, Any] = {}
         self._leased: list[_TableSlot] = []
+        self.staged_first: StagedFirstLayer | None = None
+        """Layer 0's copy into a staging buffer, handed to the GPU before this transfer was planned
+        (:meth:`CudaLocalCopier.stage_first_layer`): the scatter of layer 0 reads it instead of copying again."""
 
     def close(self) -> None:
         """Hand back this transfer's table slots; call once its last launch is enqueued (or it was abandoned)."""
@@ -736,24 +753,45 @@ class CudaExecutor:
         copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
         with e._stage_lock:
             for first, count in self._pieces(layer_start, layer_count, per_layer):
-                b = e._piece % len(e._used)
-                e._piece += 1
-                stage = e.staging(b, per_layer * count).data_ptr()
-                rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
-                # copy stream: host -> staging (waits until whatever used this buffer last is done);
-                # issued before the token table is built, so the first bytes move at once
-                if e._used[b]:
-                    e.ext.stream_wait_event(copy_s, e._idle_h[b])
-                e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                e.ext.event_record(e._filled_h[b], copy_s)
-                if first == layer_start:
-                    e.copy_planned()
-                table, vec = self._table(job, 0, count)
-                # kernel stream: staging -> engine layout, overlapping the next piece's copy
-                e.ext.stream_wait_event(kernel_s, e._filled_h[b])
-                self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
-                e.ext.event_record(e._idle_h[b], kernel_s)
-                e._used[b] = True
+                staged = self._take_staged(job, first, count, per_layer)
+                if staged is not None:  # its copy is on the copy stream already, followed by its buffer's fill
+                    b, stage = staged.buffer, staged.stage
+                else:
+                    b = e._piece % len(e._used)
+                    e._piece += 1
+                    stage = e.staging(b, per_layer * count).data_ptr()
+                    rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
+                    # copy stream: host -> staging (waits until whatever used this buffer last is done);
+                    # issued before the token table is built, so the first bytes move at once
+                    if e._used[b]:
+                        e.ext.stream_wait_event(copy_s, e._idle_h[b])
+                    e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
+                    e.ext.event_record(e._filled_h[b], copy_s)
+                    e._used[b] = True
+                    if first == layer_start:
+                        e.copy_planned()
+                try:
+                    table, vec = self._table(job, 0, count)
+                    # kernel stream: staging -> engine layout, overlapping the next piece's copy
+                    e.ext.stream_wait_event(kernel_s, e._filled_h[b])
+                    self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
+                    e.ext.event_record(e._idle_h[b], kernel_s)
+                except BaseException:
+                    e.abandon_staging(b)
+                    raise
+
+    def _take_staged(self, job: TransferJob, first: int, count: int, per_layer: int) -> "StagedFirstLayer | None":
+        """The staged first layer, if this piece is that layer and its copy is the one this piece would issue
+        (checked job for job, so a staged copy is used only for what it moved); else None (the copier gives its
+        buffer back when it closes)."""
+        staged, self.staged_first = self.staged_first, None
+        if staged is None or staged.closed or first != 0 or count != 1 or staged.nbytes != per_layer:
+            return None
+        rows = self._piece_rows(job, 0, 1, staged.stage, to_device=True)
+        if not isinstance(rows, tuple) or rows != staged.job:
+            return None
+        staged.taken = True
+        return staged
 
     def scatter_slices(self, job: TransferJob, slices: Sequence[tuple[int, int]],
                        events: Sequence[int]) -> list[list[int]]:
@@ -893,6 +931,48 @@ class TorchCudaExecutor:
         self.engine.synchronize()
 
 
+class StagedFirstLayer:
+    """Layer 0 of a load whose copy into a staging buffer went to the GPU at submit, before the load was planned.
+
+    Planning a load (its copies, its token table, its executor) takes the engine's thread a few hundred
+    microseconds; layer 0's copy needs only where the objects lie. So :meth:`CudaLocalCopier.stage_first_layer`
+    hands that one copy to the native thread first, and the load's plan then scatters from this buffer
+    (:meth:`CudaExecutor._take_staged`). Until :meth:`close` it holds the copier's program (the native thread
+    issues what follows in order) and its staging lock, so that no other piece can take this buffer before its
+    scatter is planned.
+    """
+
+    def __init__(self, copier: "CudaLocalCopier", stack: contextlib.ExitStack, buffer: int, stage: int, nbytes: int,
+                 job: tuple[int, int, int, int, int, int]) -> None:
+        self._copier = copier
+        self._stack = stack
+        self.buffer = buffer
+        self.stage = stage
+        """The staging buffer's device address."""
+        self.nbytes = nbytes
+        self.job = job
+        """The ``dst, dpitch, src, spitch, width, height`` copy it issued."""
+        self.taken = False
+        """A load's plan scattered from it."""
+        self.closed = False
+
+    def close(self, planned: bool) -> None:
+        """End the hold: ``planned``, the load's first layer was planned in full since (from this buffer, or, where
+        its plan differed, from another); otherwise what was recorded since the copy is dropped. Either way a
+        buffer no scatter reads is idle once its copy has ran. Hands what was planned to the native thread."""
+        if self.closed:
+            return
+        self.closed = True
+        issuer, engine = self._copier.issuer, self._copier.engine
+        try:
+            if not planned:
+                issuer.discard()
+            if not (planned and self.taken):
+                issuer.event_record(engine._idle_h[self.buffer], engine.copy_stream.cuda_stream)
+        finally:
+            self._stack.close()
+
+
 class CudaLocalCopier:
     """Engine-placement loads: this engine process copies from the server's L1 pool into its own CUDA cache.
 
@@ -953,6 +1033,50 @@ class CudaLocalCopier:
             signature = self.engine.layout.shape_signature()
             return self.engine.executor([span_view(self.pool, signature, off, tokens) for off, tokens in spans])
         return self.engine.pool_executor(spans)
+
+    def stage_first_layer(self, spans: Sequence[tuple[int, int]]) -> StagedFirstLayer | None:
+        """Hand layer 0's copy of the objects at ``spans`` ((offset in the pool, tokens), in the load's order)
+        into a staging buffer to the native thread now, before the load is planned; None where the load's plan
+        would not copy it so: objects of unequal size or not back to back (a partial last chunk), other modes.
+
+        The caller plans the load before it calls :meth:`StagedFirstLayer.close`, on this thread: the copier's
+        staging and program stay held until then."""
+        e = self.engine
+        if (self.issuer is None or e.pool is None or e.config.mode != "staged" or e.layout.is_hybrid
+                or e.config.direct_copy_min_run < NO_DIRECT_COPIES or not spans):
+            return None
+        lay, row = e.layout, e.row_bytes
+        tokens = spans[0][1]
+        plane = lay.num_layers * tokens * row
+        stride = lay.kv_size * plane
+        base, size, _ = e._pool_range
+        if (plane > _MAX_PITCH or any(t != tokens for _, t in spans)
+                or any(b - a != stride for (a, _), (b, _) in zip(spans, spans[1:]))
+                or not 0 <= spans[0][0] <= size - stride * len(spans)):
+            return None
+        piece = tokens * row
+        per_layer = lay.kv_size * len(spans) * piece  # a first piece is one layer, whatever the buffers' cap
+        copy_s = e.copy_stream.cuda_stream
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(self.issuer.program())
+            stack.enter_context(e._stage_lock)
+            b = e._piece % len(e._used)
+            e._piece += 1
+            stage = e.staging(b, per_layer).data_ptr()
+            job = (stage, piece, base + spans[0][0], plane, piece, len(spans) * lay.kv_size)
+            if e._used[b]:
+                self.issuer.stream_wait_event(copy_s, e._idle_h[b])
+            struct.pack_into("<6q", e._job_row, 0, *job)
+            self.issuer.memcpy2d_runs(e._job_row_addr, 1, e.index, copy_s)
+            self.issuer.event_record(e._filled_h[b], copy_s)
+            e._used[b] = True
+            self.issuer.hand_over()
+        except BaseException:
+            self.issuer.discard()
+            stack.close()
+            raise
+        return StagedFirstLayer(self, stack, b, stage, per_layer, job)
 
     def slice_program(self) -> ContextManager[Any]:
         """Plan one slice inside this: on exit its GPU work goes to the native thread in one call."""

@@ -143,6 +143,12 @@ class LoadIssuer:
         self._submit(program)
         self._local.program = _Program()
 
+    def discard(self) -> None:
+        """Drop what this thread recorded since its program began or was last handed over: the rest of a slice
+        that failed half-planned issues nothing. A no-op outside a program."""
+        if getattr(self._local, "program", None) is not None:
+            self._local.program = _Program()
+
     def issued(self, mark: int) -> bool:
         return mark != 0 and self._native.issued_mark() >= mark
 

@@ -31,7 +31,7 @@ from kvstrata.core.engine.placement import InFlight, Placement, RetrieveRecord, 
 from kvstrata.core.engine.registration_area import RegistrationArea
 from kvstrata.core.engine.requests import ChunkLocations
 from kvstrata.core.engine.settings import RuntimeSettings
-from kvstrata.core.engine.transfer_queue import QueuedLoad, TransferQueue
+from kvstrata.core.engine.transfer_queue import FirstLayerAhead, QueuedLoad, TransferQueue
 from kvstrata.core.shm import Segment
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.core.store.l1_store import split_generation_table
@@ -121,6 +121,8 @@ class EnginePlacement(Placement):
         self._l1_tensor: torch.Tensor | None = None
         self._copier: LocalCopier | None = None
         self._pool_lock = threading.Lock()
+        self._submitting = threading.local()
+        """``ahead``: the :class:`FirstLayerAhead` of the load this thread is submitting, if any."""
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
@@ -140,6 +142,32 @@ class EnginePlacement(Placement):
 
     # --- loads -----------------------------------------------------------------------
 
+    def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
+                        skip_first_n_tokens: int = 0, layers_per_slice: int = 0, running: bool = False,
+                        located: ChunkLocations | None = None) -> None:
+        """See :meth:`Placement.submit_retrieve`. Where the LOOKUP located the chunks and the load will be planned
+        right away, its first layer's copy goes to the GPU before anything else is done for it
+        (:meth:`TransferQueue.first_layer_ahead`): planning the load takes this thread longer than the copy
+        needs to start."""
+        ahead = self._first_layer_ahead(key, skip_first_n_tokens, located)
+        self._submitting.ahead = ahead
+        try:
+            super().submit_retrieve(request_id, key, block_ids, skip_first_n_tokens=skip_first_n_tokens,
+                                    layers_per_slice=layers_per_slice, running=running, located=located)
+        finally:
+            self._submitting.ahead = None
+            if ahead is not None:
+                ahead.close()  # a no-op where the load's plan took it; else its staging is given back
+
+    def _first_layer_ahead(self, key: CacheKey, skip: int, located: ChunkLocations | None) -> FirstLayerAhead | None:
+        copier, pool = self._copier, self._l1_pool
+        stage = getattr(copier, "stage_first_layer", None)
+        if (stage is None or located is None or skip or pool is None or located.pool_name != pool.name
+                or located.shape != self.layout.shape_signature() or located.num_tokens != key.num_tokens):
+            return None
+        reply = located.as_retrieve_reply()
+        return self._queue.first_layer_ahead(reply["pool"], reply["objects"], stage)
+
     def _start(self, request_id: str, key: CacheKey, blocks: BlockTable, skip: int, width: int,
                gate: LayerArrivalGate, record: RetrieveRecord, located: ChunkLocations | None) -> InFlight:
         # Where the chunks lie comes with the LOOKUP, or from a RETRIEVE sent from this (the engine's) thread:
@@ -151,7 +179,7 @@ class EnginePlacement(Placement):
             reply = Future()
             reply.set_exception(exc)
         reply.add_done_callback(lambda _, r=record: setattr(r, "replied_at", time.perf_counter()))
-        load = QueuedLoad(key, blocks, skip, width, gate, record, reply)
+        load = QueuedLoad(key, blocks, skip, width, gate, record, reply, ahead=getattr(self._submitting, "ahead", None))
         inflight = EngineLoad(request_id, blocks, self._queue.submit(load), gate, width, record)
         inflight.load = load
         return inflight

@@ -85,6 +85,8 @@ class RetrieveRecord:
     """Engine placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
     """Engine placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
+    first_layer_ahead: bool = False
+    """Engine placement on a GPU: the first layer's copy went to the GPU at submit, before the load was planned."""
     last_slice_at: float | None = None
     """Engine placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
 

@@ -44,7 +44,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvstrata.core.arrival.events import LocalCopier
 from kvstrata.core.arrival.gate import LayerArrivalGate
@@ -106,10 +106,34 @@ class QueuedLoad:
     filling: bool = False
     """Some object it copies from was still filling from the shared tier when it was located: each slice
     waits for its layers to land (:meth:`TransferQueue._wait_landed`)."""
+    ahead: "FirstLayerAhead | None" = None
+    """Its first layer's copy, handed to the GPU at submit (:meth:`TransferQueue.first_layer_ahead`)."""
 
     @property
     def request_id(self) -> str:
         return self.key.request_id
+
+
+class FirstLayerAhead:
+    """A load's first layer, copied into staging before the load was planned, with the queue's planning held for
+    that load (see :meth:`TransferQueue.first_layer_ahead`). The submitting thread closes it once the submit is
+    done, whatever happened: what was not planned from it is given back then."""
+
+    def __init__(self, queue: "TransferQueue", staged: Any) -> None:
+        self.staged = staged
+        """The copier's staged copy (``StagedFirstLayer``: ``taken``, ``closed``, ``close(planned)``)."""
+        self.planning_held = True
+        """This still holds the queue's planning lock (until the submit takes it over)."""
+        self._queue = queue
+
+    def close(self, planned: bool = False) -> None:
+        """``planned``: the load's first layer was planned since (called right after it was)."""
+        try:
+            self.staged.close(planned)
+        finally:
+            if self.planning_held:
+                self.planning_held = False
+                self._queue._planning.release()
 
 
 class TransferQueue:
@@ -156,8 +180,36 @@ class TransferQueue:
         with self._pending_cond:
             self._pending.append(load)
             self._pending_cond.notify()
-        self._plan_ready(block=False)
+        held = load.ahead is not None and load.ahead.planning_held
+        if held:
+            load.ahead.planning_held = False  # released by _plan_ready now
+        self._plan_ready(block=False, held=held)
         return load.future
+
+    def first_layer_ahead(self, pool: dict[str, Any], objects: Sequence[Sequence[int]],
+                          stage: Callable[[list[tuple[int, int]]], Any]) -> FirstLayerAhead | None:
+        """Called from the engine's thread at the very start of a load whose LOOKUP located its chunks
+        (``pool`` and ``objects`` as a RETRIEVE reply has them): when the load is certain to be planned right
+        away on this thread (nothing submitted before it still unplanned, no slice observer), copy its first
+        layer into staging now with ``stage(spans)`` (``CudaLocalCopier.stage_first_layer``), before the load
+        is planned, and hold the queue's planning for it. None where that does not apply: the load is planned as
+        any other. Objects still filling from the shared tier are not copied ahead (their first layer may not
+        have landed)."""
+        if self._observer_active() or not self._planning.acquire(blocking=False):
+            return None
+        try:
+            with self._pending_cond:
+                busy = bool(self._pending)
+            if not busy:
+                _, landed = self._generations_for(pool)
+                if layers_landed(landed, [int(row[3]) for row in objects]) >= self.layout.num_layers:
+                    staged = stage([(int(row[0]), int(row[2])) for row in objects])
+                    if staged is not None:
+                        return FirstLayerAhead(self, staged)
+        except BaseException:  # noqa: BLE001 - the load is then planned as any other and reports its own errors
+            log.debug("copying a load's first layer ahead of its plan failed", exc_info=True)
+        self._planning.release()
+        return None
 
     def close(self) -> None:
         """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
@@ -200,11 +252,12 @@ class TransferQueue:
                 self._enqueued.put(None)
                 return
 
-    def _plan_ready(self, block: bool) -> bool:
+    def _plan_ready(self, block: bool, held: bool = False) -> bool:
         """Plan the loads at the head of the queue, in order. ``block`` (the enqueue thread): wait for the planning
         lock and for the head's RETRIEVE reply; otherwise (the engine's thread, at submit) plan only while the
-        lock is free and the head's locations are in hand. Returns False once the queue was closed."""
-        if not self._planning.acquire(blocking=block):
+        lock is free (or ``held`` for this call, by a :class:`FirstLayerAhead`) and the head's locations are in
+        hand. Returns False once the queue was closed."""
+        if not held and not self._planning.acquire(blocking=block):
             return True
         try:
             while True:
@@ -270,6 +323,8 @@ class TransferQueue:
         if enqueue_slices is not None and not load.filling and not self._observer_active():
             self._enqueue_in_programs(load, enqueue_slices)
             return
+        if load.ahead is not None:
+            load.ahead.close()  # planned slice by slice below, none from a staged first layer
         observer = self._slice_observer
         for index, (start, count) in enumerate(load.slices):
             try:
@@ -309,9 +364,15 @@ class TransferQueue:
                 observer(load.request_id, 0)
             if load.gate.failure:
                 raise TransferAborted(load.gate.failure)
+            ahead = load.ahead
             with load.copier.slice_program():
+                if ahead is not None and not ahead.staged.closed:  # its first layer's copy is on the GPU already
+                    load.executor.staged_first = ahead.staged
                 load.executor.scatter(load.job, start, 1)
                 completion = load.copier.mark_slice(load.executor)
+            if ahead is not None:
+                load.record.first_layer_ahead = ahead.staged.taken
+                ahead.close(planned=True)  # hands the rest of the first layer to the native thread
             load.record.first_slice_at = time.perf_counter()
             if count > 1:
                 [completion] = enqueue_slices(load.executor, load.job, [(start + 1, count - 1)])

@@ -90,15 +90,25 @@ def scheduler(gpu_server):
 
 
 def load(side: WorkerRuntime, scheduler: CacheClient, rid: str, tokens: list[int], dst: list[int], width: int,
-         locate: str = "lookup") -> None:
+         locate: str = "lookup") -> ChunkLocations:
     """The scheduler side's LOOKUP (it locks the chunks for the request), then the worker side's load, which
-    starts from where the LOOKUP found the chunks (``locate="retrieve"``: asks RETRIEVE, as without them)."""
+    starts from where the LOOKUP found the chunks (``locate="retrieve"``: asks RETRIEVE, as without them).
+    Returns where the LOOKUP found them."""
     key = CacheKey(lock_owner(rid, side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
     reply = scheduler.transport.wait(scheduler.lookup_async(key))
     assert reply["hit_tokens"] == len(tokens)
-    located = (ChunkLocations.from_lookup_reply(reply),) if locate == "lookup" else None
+    found = ChunkLocations.from_lookup_reply(reply)
+    located = (found,) if locate == "lookup" else None
     side.start_loads([LoadSpec(rid, rid, pack_tokens(tokens), None, (tuple(dst),), 0, width, located=located)])
     assert side.transfers.records[rid].located_by == locate
+    return found
+
+
+def back_to_back(found: ChunkLocations) -> bool:
+    """Whether the LOOKUP's objects are of one size and lie back to back in the pool: then a load located by it
+    copies its first layer before it is planned (``RetrieveRecord.first_layer_ahead``)."""
+    objects = found.objects  # (offset, bytes, tokens, slot, generation)
+    return len({o[2] for o in objects}) == 1 and all(b[0] - a[0] == a[1] for a, b in zip(objects, objects[1:]))
 
 
 def test_the_prompt_was_stored_by_the_engines_own_copies(engine, gpu_server) -> None:
@@ -133,13 +143,71 @@ def test_every_width_lands_byte_exact_in_the_engines_cache(engine, scheduler, wi
     for t in layers.values():
         t[dst] = 0
     rid = f"ee-w{width}-{locate}"
-    load(side, scheduler, rid, tokens, dst, width, locate)
+    found = load(side, scheduler, rid, tokens, dst, width, locate)
+    record = side.transfers.records[rid]
     wait_released(side, rid)
     for name in layers:  # vLLM's wait_for_layer_load before each layer: the engine's stream waits
         side.wait_for_layer(layer_index(name))
     torch.cuda.current_stream().synchronize()
     for name, t in layers.items():
         assert torch.equal(t[dst].view(torch.int16), truth[name].view(torch.int16)), (width, name)
+    side.transfers.wait_all(30)
+    side.poll(set())
+    assert side.take_load_failures() == []
+    assert record.first_layer_ahead == (locate == "lookup" and back_to_back(found)), record
+
+
+def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_its_staging_back(
+        engine, scheduler) -> None:
+    """A load located by its LOOKUP copies its first layer into staging before it is planned. One whose submit
+    then fails (a block id outside the cache) is reported for recompute and gives that staging back: the loads
+    and the store after it, planned while the GPU may still be copying it, are byte-exact."""
+    side, layers, tokens, truth, _ = engine
+    bad = [10_000] + list(range(65, 65 + N_BLOCKS - 1))  # the first block id is not in the cache (300 blocks)
+    found = load(side, scheduler, "ee-ahead-bad", tokens, bad, 1)
+    assert back_to_back(found), f"the fixture's store left its objects apart in a fresh pool: {found.objects}"
+    deadline = time.monotonic() + 30
+    failures: list = []
+    while not failures and time.monotonic() < deadline:
+        side.poll(set())
+        failures = side.take_load_failures()
+        time.sleep(0.001)
+    assert failures == [set(bad)], failures
+    assert side.transfers.records["ee-ahead-bad"].first_layer_ahead is False
+    # three loads back to back, each planned while the one before still copies, and a store among them
+    dsts = [list(range(65 + N_BLOCKS * i, 65 + N_BLOCKS * (i + 1))) for i in range(3)]  # blocks 1-64 hold truth
+    for i, dst in enumerate(dsts):
+        random.Random(i).shuffle(dst)
+        for t in layers.values():
+            t[dst] = 0
+    records = []
+    for i, dst in enumerate(dsts):
+        load(side, scheduler, f"ee-ahead-{i}", tokens, dst, 1)
+        records.append(side.transfers.records[f"ee-ahead-{i}"])
+        if i == 1:
+            other = [random.Random(9).randrange(1, 30000) for _ in range(N_BLOCKS * BS)]
+            side.store([StoreSpec("s-between", pack_tokens(other), None, (tuple(range(1, 1 + N_BLOCKS)),), 0)])
+    for i in range(3):
+        wait_released(side, f"ee-ahead-{i}")
+    for name in layers:
+        side.wait_for_layer(layer_index(name))
+    torch.cuda.current_stream().synchronize()
+    for i, dst in enumerate(dsts):
+        for name, t in layers.items():
+            assert torch.equal(t[dst].view(torch.int16), truth[name].view(torch.int16)), (i, name)
+    side.transfers.wait_all(30)
+    side.poll(set())
+    assert side.take_load_failures() == []
+    assert all(r.first_layer_ahead for r in records), records
+    # what the store between the loads copied is what blocks 1-64 held: the fixture's truth
+    dst = list(range(236, 236 + N_BLOCKS))
+    load(side, scheduler, "ee-ahead-stored", other, dst, 0)
+    wait_released(side, "ee-ahead-stored")
+    for name in layers:
+        side.wait_for_layer(layer_index(name))
+    torch.cuda.current_stream().synchronize()
+    for name, t in layers.items():
+        assert torch.equal(t[dst].view(torch.int16), truth[name].view(torch.int16)), name
     side.transfers.wait_all(30)
     side.poll(set())
     assert side.take_load_failures() == []
