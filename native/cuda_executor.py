@@ -365,9 +365,10 @@ class CudaTransferEngine:
             return slot
 
     def abandon_staging(self, buffer: int) -> None:
-        """A piece whose copy into staging ``buffer`` was enqueued failed before its scatter: its buffer is idle
-        once that copy has run (the copy stream records it), so a later piece waits for the copy, not for a
-        scatter that will never come. What the failed piece recorded after the copy is dropped."""
+        """Planning failed after a copy into staging ``buffer`` (which waited for the buffer's last user) went to
+        the GPU, before that piece's scatter did: the buffer is idle once that copy has run (the copy stream
+        records it), so a later piece waits for the copy, not for a scatter that never comes. Through a
+        :class:`LoadIssuer`, what the failed plan recorded since its last hand-over is dropped first."""
         discard = getattr(self.ext, "discard", None)
         if discard is not None:  # a LoadIssuer: recorded ops reach the GPU only when handed over
             discard()
@@ -751,34 +752,45 @@ class CudaExecutor:
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
         copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
+        deferred = isinstance(e.ext, LoadIssuer)  # ops reach the GPU when handed over, not as they are made
+        # a buffer whose copy (after its wait for the buffer) is on its way to the GPU while the rest of its piece
+        # is not: should planning fail, the buffer is marked idle after that copy (abandon_staging)
+        handed = None
         with e._stage_lock:
-            for first, count in self._pieces(layer_start, layer_count, per_layer):
-                staged = self._take_staged(job, first, count, per_layer)
-                if staged is not None:  # its copy is on the copy stream already, followed by its buffer's fill
-                    b, stage = staged.buffer, staged.stage
-                else:
-                    b = e._piece % len(e._used)
-                    e._piece += 1
-                    stage = e.staging(b, per_layer * count).data_ptr()
-                    rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
-                    # copy stream: host -> staging (waits until whatever used this buffer last is done);
-                    # issued before the token table is built, so the first bytes move at once
-                    if e._used[b]:
-                        e.ext.stream_wait_event(copy_s, e._idle_h[b])
-                    e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                    e.ext.event_record(e._filled_h[b], copy_s)
-                    e._used[b] = True
-                    if first == layer_start:
-                        e.copy_planned()
-                try:
+            try:
+                for first, count in self._pieces(layer_start, layer_count, per_layer):
+                    staged = self._take_staged(job, first, count, per_layer)
+                    if staged is not None:  # its copy is on the copy stream already, followed by its buffer's fill
+                        b, stage = staged.buffer, staged.stage
+                        handed = b
+                    else:
+                        b = e._piece % len(e._used)
+                        e._piece += 1
+                        stage = e.staging(b, per_layer * count).data_ptr()
+                        rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
+                        # copy stream: host -> staging (waits until whatever used this buffer last is done);
+                        # issued before the token table is built, so the first bytes move at once
+                        if e._used[b]:
+                            e.ext.stream_wait_event(copy_s, e._idle_h[b])
+                        e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
+                        e.ext.event_record(e._filled_h[b], copy_s)
+                        e._used[b] = True
+                        if not deferred:
+                            handed = b
+                        elif first == layer_start:
+                            e.copy_planned()
+                            handed = b
                     table, vec = self._table(job, 0, count)
                     # kernel stream: staging -> engine layout, overlapping the next piece's copy
                     e.ext.stream_wait_event(kernel_s, e._filled_h[b])
                     self._launch(True, table, vec, n_tok, first, count, count, 0, src_base=stage)
                     e.ext.event_record(e._idle_h[b], kernel_s)
-                except BaseException:
-                    e.abandon_staging(b)
-                    raise
+                    if not deferred:
+                        handed = None  # the piece is on the GPU whole
+            except BaseException:
+                if handed is not None:
+                    e.abandon_staging(handed)
+                raise
 
     def _take_staged(self, job: TransferJob, first: int, count: int, per_layer: int) -> "StagedFirstLayer | None":
         """The staged first layer, if this piece is that layer and its copy is the one this piece would issue
