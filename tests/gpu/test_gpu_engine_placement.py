@@ -164,8 +164,11 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
     and the store after it, planned while the GPU may still be copying it, are byte-exact."""
     side, layers, tokens, truth, _ = engine
     bad = [10_000] + list(range(65, 65 + N_BLOCKS - 1))  # the first block id is not in the cache (300 blocks)
-    found = load(side, scheduler, "ee-ahead-bad", tokens, bad, 1)
+    key = CacheKey(lock_owner("ee-ahead-bad", side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
+    found = ChunkLocations.from_lookup_reply(scheduler.transport.wait(scheduler.lookup_async(key)))
     assert back_to_back(found), f"the fixture's store left its objects apart in a fresh pool: {found.objects}"
+    side.start_loads([LoadSpec("ee-ahead-bad", "ee-ahead-bad", pack_tokens(tokens), None, (tuple(bad),), 0, 1,
+                               located=(found,))])
     deadline = time.monotonic() + 30
     failures: list = []
     while not failures and time.monotonic() < deadline:
