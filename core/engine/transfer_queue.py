@@ -17,7 +17,10 @@ Two threads, so that enqueuing never waits for a copy to finish:
   thread would make its copies wait until the interpreter lets that thread run: up to
   a switch interval, 5 ms, each time, while the engine's thread stays in Python).
   Otherwise ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply
-  (sent from the engine's thread at submit) and plans it. A load's first layer is planned
+  (sent from the engine's thread at submit) and plans it. On a GPU, a load that will be planned
+  right away at submit has its first layer's copy into staging handed to the GPU before
+  anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
+  takes longer than that copy needs to start. A load's first layer is planned
   alone, inside the copier's ``slice_program``, which on a GPU hands its driver calls to
   the copier's native thread in one call (``kvstrata.native.load_issuer``), so it is on
   its way before anything else is planned; the rest of its first slice, then every later
