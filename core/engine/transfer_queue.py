@@ -182,11 +182,15 @@ class TransferQueue:
         in Python holds the GIL)."""
         with self._pending_cond:
             self._pending.append(load)
-            self._pending_cond.notify()
         held = load.ahead is not None and load.ahead.planning_held
         if held:
             load.ahead.planning_held = False  # released by _plan_ready now
         self._plan_ready(block=False, held=held)
+        with self._pending_cond:
+            # the enqueue thread is woken only for what this thread left unplanned: woken for every load, it would
+            # take the planning lock from under the next submit for nothing
+            if self._pending:
+                self._pending_cond.notify()
         return load.future
 
     def first_layer_ahead(self, pool: dict[str, Any], objects: Sequence[Sequence[int]],
