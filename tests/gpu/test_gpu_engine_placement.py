@@ -169,6 +169,7 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
     assert back_to_back(found), f"the fixture's store left its objects apart in a fresh pool: {found.objects}"
     side.start_loads([LoadSpec("ee-ahead-bad", "ee-ahead-bad", pack_tokens(tokens), None, (tuple(bad),), 0, 1,
                                located=(found,))])
+    bad_record = side.transfers.records["ee-ahead-bad"]  # taken off the records once its failure is reported
     deadline = time.monotonic() + 30
     failures: list = []
     while not failures and time.monotonic() < deadline:
@@ -176,7 +177,7 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
         failures = side.take_load_failures()
         time.sleep(0.001)
     assert failures == [set(bad)], failures
-    assert side.transfers.records["ee-ahead-bad"].first_layer_ahead is False
+    assert bad_record.first_layer_ahead is False and bad_record.failure, bad_record
     # three loads back to back, each planned while the one before still copies, and a store among them
     dsts = [list(range(65 + N_BLOCKS * i, 65 + N_BLOCKS * (i + 1))) for i in range(3)]  # blocks 1-64 hold truth
     for i, dst in enumerate(dsts):
