@@ -3,8 +3,8 @@
 Runs ``transfer.py``'s engine-placement loads (1 GiB at Llama-3.1-8B shapes by default, chunk-major and width 1)
 under ``torch.profiler`` with CPU and CUDA activities, so every driver call of the process (the engine's thread,
 the copier's native issuing thread) and every copy and kernel on the GPU land on one timeline. The load's planning
-steps are annotated (``kv::submit``, ``kv::locate``, ``kv::enqueue_programs``, ``kv::scatter``, ``kv::hand_over``,
-``kv::issuer_submit``, ``kv::table``, ``kv::mark_slice``, ``kv::scatter_slices``, and the benchmark's
+steps are annotated (``kv::submit``, ``kv::first_layer_ahead``, ``kv::locate``, ``kv::enqueue_programs``,
+``kv::scatter``, ``kv::hand_over``, ``kv::issuer_submit``, ``kv::table``, ``kv::mark_slice``, ``kv::scatter_slices``, and the benchmark's
 ``kv::wait_release`` and ``kv::wait_layer``). Writes, for the last width-1 loads, every annotation, driver call,
 copy and kernel from submit until layer 0's wait returned, in milliseconds after submit, with the thread (or
 stream) it ran on:
@@ -37,7 +37,7 @@ def annotate() -> None:
     import transfer
     from torch.profiler import record_function
 
-    from kvstrata.core.engine import placement, transfer_queue
+    from kvstrata.core.engine import engine_placement, placement, transfer_queue
     from kvstrata.native import cuda_executor, load_issuer
 
     def wrap(owner: Any, name: str, label: str) -> None:
@@ -51,7 +51,8 @@ def annotate() -> None:
         setattr(owner, name, wrapped)
 
     for owner, name, label in [
-            (placement.Placement, "submit_retrieve", "kv::submit"),
+            (engine_placement.EnginePlacement, "submit_retrieve", "kv::submit"),
+            (cuda_executor.CudaLocalCopier, "stage_first_layer", "kv::first_layer_ahead"),
             (placement.Placement, "wait_for_layer", "kv::wait_layer"),
             (transfer, "_spin_until_released", "kv::wait_release"),
             (transfer_queue.TransferQueue, "_locate", "kv::locate"),
