@@ -797,7 +797,7 @@ class CudaExecutor:
         (checked job for job, so a staged copy is used only for what it moved); else None (the copier gives its
         buffer back when it closes)."""
         staged, self.staged_first = self.staged_first, None
-        if staged is None or staged.closed or first != 0 or count != 1 or staged.nbytes != per_layer:
+        if staged is None or not staged.usable_here() or first != 0 or count != 1 or staged.nbytes != per_layer:
             return None
         rows = self._piece_rows(job, 0, 1, staged.stage, to_device=True)
         if not isinstance(rows, tuple) or rows != staged.job:
@@ -967,12 +967,19 @@ class StagedFirstLayer:
         self.taken = False
         """A load's plan scattered from it."""
         self.closed = False
+        self._owner = threading.get_ident()
+        """The thread that staged it: the copier's program and staging lock it holds are that thread's."""
+
+    def usable_here(self) -> bool:
+        """Whether a plan on the calling thread may scatter from it: still held, by this thread."""
+        return not self.closed and threading.get_ident() == self._owner
 
     def close(self, planned: bool) -> None:
         """End the hold: ``planned``, the load's first layer was planned in full since (from this buffer, or, where
         its plan differed, from another); otherwise what was recorded since the copy is dropped. Either way a
-        buffer no scatter reads is idle once its copy has ran. Hands what was planned to the native thread."""
-        if self.closed:
+        buffer no scatter reads is idle once its copy has ran. Hands what was planned to the native thread. A
+        no-op on any thread but the one that staged it, which closes it when its submit ends."""
+        if not self.usable_here():
             return
         self.closed = True
         issuer, engine = self._copier.issuer, self._copier.engine

@@ -124,7 +124,8 @@ class FirstLayerAhead:
 
     def __init__(self, queue: "TransferQueue", staged: Any) -> None:
         self.staged = staged
-        """The copier's staged copy (``StagedFirstLayer``: ``taken``, ``closed``, ``close(planned)``)."""
+        """The copier's staged copy (``StagedFirstLayer``: ``taken``, ``usable_here()``, ``close(planned)``, the
+        last two meaningful on the submitting thread only: on another it is neither used nor closed)."""
         self.planning_held = True
         """This still holds the queue's planning lock (until the submit takes it over)."""
         self._queue = queue
@@ -373,7 +374,7 @@ class TransferQueue:
                 raise TransferAborted(load.gate.failure)
             ahead = load.ahead
             with load.copier.slice_program():
-                if ahead is not None and not ahead.staged.closed:  # its first layer's copy is on the GPU already
+                if ahead is not None and ahead.staged.usable_here():  # its first layer's copy is on the GPU already
                     load.executor.staged_first = ahead.staged
                 load.executor.scatter(load.job, start, 1)
                 completion = load.copier.mark_slice(load.executor)
