@@ -163,7 +163,7 @@ class EnginePlacement(Placement):
         copier, pool = self._copier, self._l1_pool
         stage = getattr(copier, "stage_first_layer", None)
         if (stage is None or located is None or skip or pool is None or located.pool_name != pool.name
-                or located.shape != self.layout.shape_signature() or located.num_tokens != key.num_tokens):
+                or not self._fits(key, located)):
             return None
         reply = located.as_retrieve_reply()
         return self._queue.first_layer_ahead(reply["pool"], reply["objects"], stage)
@@ -189,7 +189,7 @@ class EnginePlacement(Placement):
         """Where ``key``'s chunks lie in the pool, from the LOOKUP if it said so and its objects fit this cache,
         else from a RETRIEVE (sent now, from the engine's thread)."""
         if located is not None:
-            if located.shape == self.layout.shape_signature() and located.num_tokens == key.num_tokens:
+            if self._fits(key, located):
                 record.located_by = "lookup"
                 reply: Future = Future()
                 reply.set_result(located.as_retrieve_reply())
@@ -199,6 +199,10 @@ class EnginePlacement(Placement):
                      self.layout.shape_signature(), key.num_tokens)
         record.located_by = "retrieve"
         return self.client.retrieve_async(key, self.instance_id, blocks, skip_first_n_tokens=skip)
+
+    def _fits(self, key: CacheKey, located: ChunkLocations) -> bool:
+        """Whether the LOOKUP's objects are of this cache's shape and hold ``key``'s tokens."""
+        return located.shape == self.layout.shape_signature() and located.num_tokens == key.num_tokens
 
     def _complete_without_reply(self, inf: InFlight) -> bool:
         return isinstance(inf, EngineLoad) and self._queue.landed_and_checked(inf.load)
