@@ -20,6 +20,10 @@ In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
 4. SGLang's offload path through the SGLang adapter's loader, after a forward
    stand-in still computing when the offload is called (``sglang_offload``).
 
+Each phase runs in a process of its own (``--phase``), as an engine process holds one copier: in one process, a
+copier's host-to-staging rate under later copiers depended on the order of the copiers' first transfers (see
+``CudaLocalCopier``), which made a phase's figures depend on which phases ran before it.
+
 Writes a JSON result (``--out``) with the GPU name, versions and date, and
 evaluates the transfer targets on the primary mode. Run it as the README in
 this directory says.
@@ -35,6 +39,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -666,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sglang_offload phase: the forward stand-in's compute before it writes the pages, per arm "
                         "(0: the pages' write alone, so little of the reservation is hidden)")
     p.add_argument("--out", default="benchmarks/results/transfer-h200.json")
+    p.add_argument("--phase", default="", help="run only this phase, in this process, and write its result alone "
+                   "(how the run starts each phase in a process of its own)")
     args = p.parse_args(argv)
     variants = [parse_ab(spec) for spec in args.ab]
     if not torch.cuda.is_available():
@@ -711,14 +718,24 @@ def main(argv: list[str] | None = None) -> int:
     if "sglang_offload" not in skip:  # SGLang's write-through: the reservation sent before the forward ends
         phases.append(("sglang_offload", lambda: measure_sglang_offload(
             args.tokens, args.chunk, args.reps, [float(x) for x in args.offload_forward_ms.split(",")])))
-    for name, fn in phases:
+    if args.phase:
+        if args.phase not in dict(phases):
+            raise SystemExit(f"--phase {args.phase!r}: not one of {', '.join(name for name, _ in phases)}")
+        try:
+            out = {"result": dict(phases)[args.phase]()}
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+        return 0
+    for name, _ in phases:
         if name.split("_")[0] in skip or name in skip:
             continue
         t = time.perf_counter()
         try:
-            result[name] = fn()
+            result[name] = run_phase(name, argv if argv is not None else sys.argv[1:])
         except Exception as exc:
-            result["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            result["errors"][name] = str(exc)
             print(f"[{name}] FAILED: {exc}", file=sys.stderr)
         print(f"[{name}] {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     primary = f"server_{modes[0]}"
@@ -742,6 +759,21 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1, sort_keys=False)
     print_summary(result, modes)
     return 0 if not result["errors"] else 1
+
+
+def run_phase(name: str, argv: list[str]) -> dict[str, Any]:
+    """Phase ``name`` in a child process of its own (this script with ``--phase``), with this run's options;
+    its result, or an error naming what the child said."""
+    with tempfile.TemporaryDirectory(prefix="kvstrata-transfer-") as tmp:
+        out = os.path.join(tmp, f"{name}.json")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--phase", name, "--out", out])
+        if not os.path.exists(out):
+            raise RuntimeError(f"phase {name}: its process exited {proc.returncode} without a result")
+        with open(out) as f:
+            got = json.load(f)
+    if "error" in got:
+        raise RuntimeError(got["error"])
+    return got["result"]
 
 
 def parse_ab(spec: str) -> tuple[str, list[str]]:
