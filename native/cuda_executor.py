@@ -158,6 +158,23 @@ def plan_dma(rows: Sequence[tuple[int, int, int]] | np.ndarray) -> np.ndarray:
     return np.asarray(jobs, dtype=np.int64).reshape(-1, 6)
 
 
+def back_to_back_job(layout: PagedKVLayout, row_bytes: int, tokens: int, hosts: Sequence[int], count: int,
+                     to_device: bool) -> tuple[int, int, int, int, int, int] | None:
+    """The copy-engine job moving layers ``[0, count)`` of objects of ``tokens`` tokens at host addresses
+    ``hosts`` to (or from) a staging buffer at 0, as one 2D copy, when the objects sit back to back in the pool;
+    else None.
+
+    The usual case (the store allocates a prompt's chunks in order): each (object, plane) slice is then one row
+    of a single 2D copy whose source pitch is a plane. Worked out with a few integer operations, where the
+    general planner's array set-up costs tens of microseconds on the way to the first copy."""
+    plane, piece = layout.num_layers * tokens * row_bytes, count * tokens * row_bytes
+    stride = layout.kv_size * plane
+    if plane > _MAX_PITCH or any(b - a != stride for a, b in zip(hosts, hosts[1:])):
+        return None
+    rows = len(hosts) * layout.kv_size
+    return (0, piece, hosts[0], plane, piece, rows) if to_device else (hosts[0], plane, 0, piece, piece, rows)
+
+
 @dataclass
 class _TableSlot:
     """A pinned host area for a transfer's descriptors and block table, and the device buffer they are
@@ -363,6 +380,16 @@ class CudaTransferEngine:
             slot = _TableSlot(host, dev, done, done.cuda_event)
             self._table_slots.append(slot)
             return slot
+
+    def copy_into_staging(self, buffer: int, rows: int, n_rows: int) -> None:
+        """Call under ``_stage_lock``: the copy stream copies ``n_rows`` packed jobs (host address ``rows``) into
+        staging ``buffer`` once whatever used it last is done, and records the buffer filled."""
+        copy_s = self.copy_stream.cuda_stream
+        if self._used[buffer]:
+            self.ext.stream_wait_event(copy_s, self._idle_h[buffer])
+        self.ext.memcpy2d_runs(rows, n_rows, self.index, copy_s)
+        self.ext.event_record(self._filled_h[buffer], copy_s)
+        self._used[buffer] = True
 
     def abandon_staging(self, buffer: int) -> None:
         """Planning failed after a copy into staging ``buffer`` (which waited for the buffer's last user) went to
@@ -683,21 +710,10 @@ class CudaExecutor:
 
     def _back_to_back_template(self, job: TransferJob, count: int,
                                to_device: bool) -> tuple[int, int, int, int, int, int] | None:
-        """The layer-0 piece as one 2D copy when the objects sit back to back in the pool, else None.
-
-        The usual case (the store allocates a prompt's chunks in order): each
-        (object, plane) slice is then one row of a single 2D copy whose source pitch
-        is a plane. Worked out with a few integer operations, where the general
-        planner's array set-up costs tens of microseconds on the way to the first copy.
-        """
-        lay, row, T = self.engine.layout, self.engine.row_bytes, self._uniform
-        hosts = [self._obj_host[c.object_index] for c in job.copies]
-        plane, piece = lay.num_layers * T * row, count * T * row
-        stride = lay.kv_size * plane
-        if plane > _MAX_PITCH or any(b - a != stride for a, b in zip(hosts, hosts[1:])):
-            return None
-        rows = len(hosts) * lay.kv_size
-        return (0, piece, hosts[0], plane, piece, rows) if to_device else (hosts[0], plane, 0, piece, piece, rows)
+        """The layer-0 piece as one 2D copy when the objects sit back to back in the pool (:func:`back_to_back_job`),
+        else None."""
+        return back_to_back_job(self.engine.layout, self.engine.row_bytes, self._uniform,
+                                [self._obj_host[c.object_index] for c in job.copies], count, to_device)
 
     def _direct_runs(self, job: TransferJob, first: int, count: int) -> list[tuple[int, int, int]] | None:
         """Copy-engine rows straight into the engine's cache, or None if the runs would be too short."""
@@ -751,7 +767,7 @@ class CudaExecutor:
             return
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
-        copy_s, kernel_s = e.copy_stream.cuda_stream, e.stream.cuda_stream
+        kernel_s = e.stream.cuda_stream
         deferred = isinstance(e.ext, LoadIssuer)  # ops reach the GPU when handed over, not as they are made
         # a buffer whose copy (after its wait for the buffer) is on its way to the GPU while the rest of its piece
         # is not: should planning fail, the buffer is marked idle after that copy (abandon_staging)
@@ -768,13 +784,8 @@ class CudaExecutor:
                         e._piece += 1
                         stage = e.staging(b, per_layer * count).data_ptr()
                         rows, n_rows, _keep = self._piece_jobs(job, first, count, stage, to_device=True)
-                        # copy stream: host -> staging (waits until whatever used this buffer last is done);
-                        # issued before the token table is built, so the first bytes move at once
-                        if e._used[b]:
-                            e.ext.stream_wait_event(copy_s, e._idle_h[b])
-                        e.ext.memcpy2d_runs(rows, n_rows, e.index, copy_s)
-                        e.ext.event_record(e._filled_h[b], copy_s)
-                        e._used[b] = True
+                        # host -> staging, issued before the token table is built, so the first bytes move at once
+                        e.copy_into_staging(b, rows, n_rows)
                         if not deferred:
                             handed = b
                         elif first == layer_start:
@@ -1066,16 +1077,14 @@ class CudaLocalCopier:
             return None
         lay, row = e.layout, e.row_bytes
         tokens = spans[0][1]
-        plane = lay.num_layers * tokens * row
-        stride = lay.kv_size * plane
         base, size, _ = e._pool_range
-        if (plane > _MAX_PITCH or any(t != tokens for _, t in spans)
-                or any(b - a != stride for (a, _), (b, _) in zip(spans, spans[1:]))
-                or not 0 <= spans[0][0] <= size - stride * len(spans)):
+        if (any(t != tokens for _, t in spans)
+                or not 0 <= spans[0][0] <= size - lay.kv_size * lay.num_layers * tokens * row * len(spans)):
             return None
-        piece = tokens * row
-        per_layer = lay.kv_size * len(spans) * piece  # a first piece is one layer, whatever the buffers' cap
-        copy_s = e.copy_stream.cuda_stream
+        template = back_to_back_job(lay, row, tokens, [base + off for off, _ in spans], 1, to_device=True)
+        if template is None:
+            return None
+        per_layer = lay.kv_size * len(spans) * tokens * row  # a first piece is one layer, whatever the buffers' cap
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(self.issuer.program())
@@ -1083,13 +1092,9 @@ class CudaLocalCopier:
             b = e._piece % len(e._used)
             e._piece += 1
             stage = e.staging(b, per_layer).data_ptr()
-            job = (stage, piece, base + spans[0][0], plane, piece, len(spans) * lay.kv_size)
-            if e._used[b]:
-                self.issuer.stream_wait_event(copy_s, e._idle_h[b])
+            job = (stage, *template[1:])
             struct.pack_into("<6q", e._job_row, 0, *job)
-            self.issuer.memcpy2d_runs(e._job_row_addr, 1, e.index, copy_s)
-            self.issuer.event_record(e._filled_h[b], copy_s)
-            e._used[b] = True
+            e.copy_into_staging(b, e._job_row_addr, 1)
             self.issuer.hand_over()
         except BaseException:
             self.issuer.discard()

@@ -10,6 +10,7 @@ A load's slices after its first are written into one program at once
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 
@@ -18,7 +19,7 @@ import pytest
 
 from kvstrata.core.transfer import planner
 from kvstrata.adapters.reference.engine import ReferenceEngine
-from kvstrata.native.cuda_executor import CudaExecutor, CudaTransferConfig, plan_dma
+from kvstrata.native.cuda_executor import CudaExecutor, CudaTransferConfig, CudaTransferEngine, plan_dma
 from kvstrata.native.load_issuer import LoadIssuer
 
 from helpers import SMALL_32
@@ -143,7 +144,7 @@ def staged_engine(layout, staging_bytes: int):
         key = (tuple(desc), tuple(blocks), n_tok)
         return tables.setdefault(key, (1 << 50) + (len(tables) << 20)), object()
 
-    return types.SimpleNamespace(
+    engine = types.SimpleNamespace(
         layout=layout, row_bytes=layout.token_bytes_per_layer, _job_row=row, _job_row_addr=row.ctypes.data,
         config=CudaTransferConfig(staging_bytes=staging_bytes), ext=issuer, copy_planned=issuer.hand_over, index=0,
         max_ctas=264,
@@ -151,6 +152,8 @@ def staged_engine(layout, staging_bytes: int):
         planes=Buffer(1 << 48), layout_vec=16, dense_rows=False, _stage_lock=threading.Lock(), _piece=0,
         _used=[False, False], _idle_h=[21, 22], _filled_h=[31, 32], build_table=build_table,
         staging=lambda b, n: Buffer((1 << 46) + (b << 40)))
+    engine.copy_into_staging = functools.partial(CudaTransferEngine.copy_into_staging, engine)  # the engine's own
+    return engine
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
