@@ -396,9 +396,8 @@ class CudaTransferEngine:
         the GPU, before that piece's scatter did: the buffer is idle once that copy has run (the copy stream
         records it), so a later piece waits for the copy, not for a scatter that never comes. Through a
         :class:`LoadIssuer`, what the failed plan recorded since its last hand-over is dropped first."""
-        discard = getattr(self.ext, "discard", None)
-        if discard is not None:  # a LoadIssuer: recorded ops reach the GPU only when handed over
-            discard()
+        if isinstance(self.ext, LoadIssuer):  # recorded ops reach the GPU only when handed over
+            self.ext.discard()
             self.ext.event_record(self._idle_h[buffer], self.copy_stream.cuda_stream)
             self.ext.hand_over()
         else:
