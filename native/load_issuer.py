@@ -122,10 +122,16 @@ class LoadIssuer:
         return self._current().append(words, marks_at)
 
     def flush(self) -> None:
-        """Submit what this thread recorded so far and wait until it is issued (before memory those ops use may
-        be freed); a no-op outside a program."""
+        """Submit what this thread recorded so far and wait until it, and every program submitted before it by any
+        thread, is issued: before memory those ops use may be freed (a staging buffer replaced by a larger one).
+        Also when this thread recorded nothing since its last hand-over: programs handed over earlier may still
+        wait for the native thread, and a buffer freed under them could be handed out again before their copies
+        reach its stream. Outside a program, waits for everything submitted so far."""
         program = getattr(self._local, "program", None)
-        if program is None or not program.parts:
+        if program is None:
+            with self.program():
+                cell = self.mark()
+            self.wait_issued(cell[0])
             return
         cell = self.mark()
         self._submit(program)

@@ -226,3 +226,57 @@ def test_marks_are_numbered_in_the_order_they_were_written_across_parts_and_prog
                 numbers.append(int(program[i + 2]))
             i += 2 + int(program[i + 1])
     assert numbers == list(range(1, 9))
+
+
+class LaggingNative(RecordingNative):
+    """Stands in for the native issuer thread, which issues submitted programs later than they are submitted: here
+    only when a wait asks for a mark (everything up to it is then issued), so a flush that does not wait leaves
+    programs unissued."""
+
+    def __init__(self, device: int) -> None:
+        super().__init__(device)
+        self.issued = 0
+        self.waited_for: list[int] = []
+
+    def issued_mark(self) -> int:
+        return self.issued
+
+    def wait_mark(self, mark: int, timeout_us: int) -> bool:
+        self.waited_for.append(mark)
+        self.issued = max(self.issued, mark)
+        return True
+
+    def mark_error(self, mark: int) -> str:
+        return ""
+
+
+def submitted_marks(programs: list[np.ndarray]) -> list[int]:
+    from kvstrata.native.load_issuer import OP_MARK
+
+    marks = []
+    for program in programs:
+        i = 0
+        while i < len(program):
+            if program[i] == OP_MARK:
+                marks.append(int(program[i + 2]))
+            i += 2 + int(program[i + 1])
+    return marks
+
+
+def test_a_flush_waits_for_every_program_handed_over_before_it_even_with_nothing_recorded_since() -> None:
+    """A staging buffer is replaced (and the old one freed) right after a flush: every op already handed to the
+    native thread, this thread's earlier hand-overs included, must be issued by then, also where the thread has
+    recorded nothing since its last hand-over, and outside a program."""
+    issuer = LoadIssuer(types.SimpleNamespace(LoadIssuer=LaggingNative), 0)
+    native = issuer._native
+    with issuer.program():
+        issuer.event_record(5, 11)
+        issuer.mark()
+        issuer.hand_over()  # a copy on its way to the GPU, its program not issued yet
+        issuer.flush()  # nothing recorded since the hand-over
+        assert native.waited_for and native.issued >= max(submitted_marks(native.programs))
+    with issuer.program():
+        issuer.event_record(6, 11)
+        issuer.mark()
+    issuer.flush()  # outside a program: everything submitted so far
+    assert native.issued >= max(submitted_marks(native.programs)) == 4
