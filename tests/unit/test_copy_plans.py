@@ -202,6 +202,20 @@ def test_a_loads_slices_in_one_program_are_the_ops_of_planning_them_one_by_one(w
         cache.close()
 
 
+def submitted_marks(programs: list[np.ndarray]) -> list[int]:
+    """The numbers of the MARK ops in submitted programs, in order (each op's words: code, argument count, args)."""
+    from kvstrata.native.load_issuer import OP_MARK
+
+    marks = []
+    for program in programs:
+        i = 0
+        while i < len(program):
+            if program[i] == OP_MARK:
+                marks.append(int(program[i + 2]))
+            i += 2 + int(program[i + 1])
+    return marks
+
+
 def test_marks_are_numbered_in_the_order_they_were_written_across_parts_and_programs() -> None:
     """Each MARK op's number word is the number its cell says, counting on across programs, wherever in a part
     the mark stands and whatever the other words hold (a row's word may equal the MARK op code)."""
@@ -218,14 +232,7 @@ def test_marks_are_numbered_in_the_order_they_were_written_across_parts_and_prog
             cells += issuer.record_ops(np.asarray(words, dtype=np.int64), [10, 17])
             cells.append(issuer.mark())
     assert [c[0] for c in cells] == list(range(1, 9))
-    numbers = []
-    for program in issuer._native.programs:
-        i = 0
-        while i < len(program):
-            if program[i] == OP_MARK:
-                numbers.append(int(program[i + 2]))
-            i += 2 + int(program[i + 1])
-    assert numbers == list(range(1, 9))
+    assert submitted_marks(issuer._native.programs) == list(range(1, 9))
 
 
 class LaggingNative(RecordingNative):
@@ -248,19 +255,6 @@ class LaggingNative(RecordingNative):
 
     def mark_error(self, mark: int) -> str:
         return ""
-
-
-def submitted_marks(programs: list[np.ndarray]) -> list[int]:
-    from kvstrata.native.load_issuer import OP_MARK
-
-    marks = []
-    for program in programs:
-        i = 0
-        while i < len(program):
-            if program[i] == OP_MARK:
-                marks.append(int(program[i + 2]))
-            i += 2 + int(program[i + 1])
-    return marks
 
 
 def test_a_flush_waits_for_every_program_handed_over_before_it_even_with_nothing_recorded_since() -> None:
