@@ -1077,8 +1077,7 @@ class CudaLocalCopier:
         lay, row = e.layout, e.row_bytes
         tokens = spans[0][1]
         base, size, _ = e._pool_range
-        if (any(t != tokens for _, t in spans)
-                or not 0 <= spans[0][0] <= size - lay.kv_size * lay.num_layers * tokens * row * len(spans)):
+        if any(t != tokens for _, t in spans) or not 0 <= spans[0][0] <= size - lay.object_bytes(tokens) * len(spans):
             return None
         template = back_to_back_job(lay, row, tokens, [base + off for off, _ in spans], 1, to_device=True)
         if template is None:

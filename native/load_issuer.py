@@ -127,15 +127,9 @@ class LoadIssuer:
         Also when this thread recorded nothing since its last hand-over: programs handed over earlier may still
         wait for the native thread, and a buffer freed under them could be handed out again before their copies
         reach its stream. Outside a program, waits for everything submitted so far."""
-        program = getattr(self._local, "program", None)
-        if program is None:
-            with self.program():
-                cell = self.mark()
-            self.wait_issued(cell[0])
-            return
-        cell = self.mark()
-        self._submit(program)
-        self._local.program = _Program()
+        with self.program():  # this thread's program, or one of its own outside one
+            cell = self.mark()
+            self.hand_over()
         self.wait_issued(cell[0])
 
     def hand_over(self) -> None:
