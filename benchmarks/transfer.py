@@ -423,6 +423,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     for layer in range(cache.num_layers):
                         worker.wait_for_layer(layer)
                         if layer == 0:
+                            first_waited = time.perf_counter()
                             ev[1].record(stream)
                     ev[2].record(stream)
                     spin_until_settled(worker, rid)
@@ -442,6 +443,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "complete_ms": (rec.completed_at - rec.submitted_at) * 1e3,
                         "reply_ms": (rec.transfer_ended_at - rec.submitted_at) * 1e3,
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
+                        "first_layer_waited_ms": (first_waited - rec.submitted_at) * 1e3,
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
                         "first_layer_ahead": bool(getattr(rec, "first_layer_ahead", False)),
@@ -457,7 +459,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 rows = runs[width]
                 res[str(width)] = {k: stats([r[k] for r in rows]) for k in
                                    ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                    "gpu_complete_ms", "replied_ms", "located_ms", "planned_ms",
+                                    "gpu_complete_ms", "first_layer_waited_ms", "replied_ms", "located_ms", "planned_ms",
                                     "first_slice_enqueued_ms")
                                    if k in rows[0]}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
