@@ -836,7 +836,9 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                          f" first enqueued "
                          f"{r['first_slice_enqueued_ms']['median']:.3f}"
                          f" first layer ahead {r.get('first_layer_ahead', 0)}/{r['release_ms']['n']}"
-                         if "located_ms" in r else ""))
+                         if "located_ms" in r else "")
+                      + (f" layer 0 waited {r['first_layer_waited_ms']['median']:.3f}"
+                         if "first_layer_waited_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
     ee = result.get("engine_placement")
