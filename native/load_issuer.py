@@ -153,17 +153,12 @@ class LoadIssuer:
         return mark != 0 and self._native.issued_mark() >= mark
 
     def wait_issued(self, mark: int, timeout: float = ISSUE_WAIT_S) -> None:
-        """Block without the GIL until ``mark`` is issued; raise if it never will be.
-
-        A mark already issued (a layer wait after the release, nearly always) is not waited for: the native wait
-        lets go of the GIL, and an engine thread that lets go of it may get it back only after another Python thread
-        of its process has run (up to the 5 ms switch interval), once per layer."""
+        """Block without the GIL until ``mark`` is issued; raise if it never will be."""
         if mark == 0:
             raise TransferFailed("a slice was waited on before its program was submitted")
-        native = self._native
-        if native.issued_mark() < mark and not native.wait_mark(mark, int(timeout * 1e6)):
+        if not self._native.wait_mark(mark, int(timeout * 1e6)):
             raise LayerWaitTimeout(f"the copier's native thread did not issue a slice within {timeout:g} s")
-        error = native.mark_error(mark)
+        error = self._native.mark_error(mark)
         if error:
             raise TransferFailed(f"issuing a slice's copies failed: {error}")
 
