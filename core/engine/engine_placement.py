@@ -15,12 +15,13 @@ they landed, so no half-written object is ever visible. The server is told a sma
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -142,18 +143,16 @@ class EnginePlacement(Placement):
 
     # --- loads -----------------------------------------------------------------------
 
-    def submit_retrieve(self, request_id: str, key: CacheKey, block_ids: Sequence[Sequence[int]], *,
-                        skip_first_n_tokens: int = 0, layers_per_slice: int = 0, running: bool = False,
-                        located: ChunkLocations | None = None) -> None:
-        """See :meth:`Placement.submit_retrieve`. Where the LOOKUP located the chunks and the load will be planned
-        right away, its first layer's copy goes to the GPU before anything else is done for it
-        (:meth:`TransferQueue.first_layer_ahead`): planning the load takes this thread longer than the copy
-        needs to start."""
-        ahead = self._first_layer_ahead(key, skip_first_n_tokens, located)
+    @contextlib.contextmanager
+    def _load_starting(self, key: CacheKey, skip: int, located: ChunkLocations | None) -> Iterator[None]:
+        """Where the LOOKUP located the chunks and the load will be planned right away, its first layer's copy goes
+        to the GPU before anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the
+        load takes this thread longer than the copy needs to start. Given back when the submit returns, where the
+        load's plan did not take it."""
+        ahead = self._first_layer_ahead(key, skip, located)
         self._submitting.ahead = ahead
         try:
-            super().submit_retrieve(request_id, key, block_ids, skip_first_n_tokens=skip_first_n_tokens,
-                                    layers_per_slice=layers_per_slice, running=running, located=located)
+            yield
         finally:
             self._submitting.ahead = None
             if ahead is not None:
@@ -179,7 +178,10 @@ class EnginePlacement(Placement):
             reply = Future()
             reply.set_exception(exc)
         reply.add_done_callback(lambda _, r=record: setattr(r, "replied_at", time.perf_counter()))
-        load = QueuedLoad(key, blocks, skip, width, gate, record, reply, ahead=getattr(self._submitting, "ahead", None))
+        ahead = getattr(self._submitting, "ahead", None)
+        if ahead is not None:
+            record.first_layer_handed_at = ahead.handed_at
+        load = QueuedLoad(key, blocks, skip, width, gate, record, reply, ahead=ahead)
         inflight = EngineLoad(request_id, blocks, self._queue.submit(load), gate, width, record)
         inflight.load = load
         return inflight

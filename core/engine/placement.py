@@ -29,13 +29,14 @@ and the server's REGISTER reply (:attr:`Placement.layer_major_fallback`); what t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 from kvstrata.core.arrival.events import EventBackend, HostEventBackend
 from kvstrata.core.arrival.gate import LayerArrivalGate, LayerWaitTimeout, TransferFailed
@@ -62,6 +63,7 @@ class RetrieveRecord:
     layers_per_slice: int
     """The width the load ran with (chosen by the slice-width model when ``auto_width``)."""
     submitted_at: float
+    """When the engine called submit (``time.perf_counter()``): the times below count from it."""
     released_at: float | None = None
     completed_at: float | None = None
     """When this process settled the load (saw it complete)."""
@@ -85,8 +87,12 @@ class RetrieveRecord:
     """Engine placement: when the load was planned (its copies and slices), right before its first slice."""
     first_slice_at: float | None = None
     """Engine placement: when the first slice was enqueued (on a GPU: handed to the engine's streams)."""
+    first_layer_handed_at: float | None = None
+    """Engine placement on a GPU: when the first layer's copy was handed to the copier at submit, before the load
+    was planned (None where it was not)."""
     first_layer_ahead: bool = False
-    """Engine placement on a GPU: the first layer's copy went to the GPU at submit, before the load was planned."""
+    """Engine placement on a GPU: the first layer's copy went to the GPU at submit, before the load was planned
+    (and its plan scattered from it)."""
     last_slice_at: float | None = None
     """Engine placement: when the last slice was enqueued (how long the transfer queue kept enqueuing)."""
 
@@ -232,23 +238,31 @@ class Placement(ABC):
         ``located``: where the LOOKUP found ``key``'s chunks; engine placement then starts copying without a
         RETRIEVE round trip (server placement ignores it: the server copies).
         """
-        blocks = BlockTable(block_ids)
-        tokens = key.num_tokens - skip_first_n_tokens
-        width = self.slice_width.choose(tokens) if layers_per_slice == AUTO else layers_per_slice
-        record = RetrieveRecord(request_id, tokens, width, time.perf_counter(), auto_width=layers_per_slice == AUTO)
-        gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
-        if width > 0 and self.layer_major_fallback is not None:
-            record.fallback, width = self.layer_major_fallback, 0
-        with self._lock:
-            alone = not any(not i.future.done() for i in self._inflight.values())
-        inflight = self._start(request_id, key, blocks, skip_first_n_tokens, width, gate, record, located)
-        inflight.future.add_done_callback(lambda f, r=record, a=alone: self._transfer_ended(f, r, a))
-        if running:
-            gate.mark_released()
-            record.released_at, record.released_before_complete = record.submitted_at, True
-        with self._lock:
-            self._inflight[request_id] = inflight
-            self.records[request_id] = record
+        submitted_at = time.perf_counter()
+        with self._load_starting(key, skip_first_n_tokens, located):
+            blocks = BlockTable(block_ids)
+            tokens = key.num_tokens - skip_first_n_tokens
+            width = self.slice_width.choose(tokens) if layers_per_slice == AUTO else layers_per_slice
+            record = RetrieveRecord(request_id, tokens, width, submitted_at, auto_width=layers_per_slice == AUTO)
+            gate = LayerArrivalGate(self.layout.num_layers, self.release_after_layers)
+            if width > 0 and self.layer_major_fallback is not None:
+                record.fallback, width = self.layer_major_fallback, 0
+            with self._lock:
+                alone = not any(not i.future.done() for i in self._inflight.values())
+            inflight = self._start(request_id, key, blocks, skip_first_n_tokens, width, gate, record, located)
+            inflight.future.add_done_callback(lambda f, r=record, a=alone: self._transfer_ended(f, r, a))
+            if running:
+                gate.mark_released()
+                record.released_at, record.released_before_complete = record.submitted_at, True
+            with self._lock:
+                self._inflight[request_id] = inflight
+                self.records[request_id] = record
+
+    def _load_starting(self, key: CacheKey, skip: int, located: ChunkLocations | None) -> ContextManager[None]:
+        """Entered first in :meth:`submit_retrieve`, once the submit's time is taken (a load's times count from the
+        engine's call), and left when the submit returns: what a placement starts before the load is planned.
+        Nothing by default."""
+        return contextlib.nullcontext()
 
     def _transfer_ended(self, future: Future, record: RetrieveRecord, alone: bool) -> None:
         """Note when a transfer ended; one that had the copies to itself from submit to end and succeeded tells

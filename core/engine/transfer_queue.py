@@ -123,6 +123,8 @@ class FirstLayerAhead:
     done, whatever happened: what was not planned from it is given back then."""
 
     def __init__(self, queue: "TransferQueue", staged: Any) -> None:
+        self.handed_at = time.perf_counter()
+        """When the copy had been handed over (the load's ``first_layer_handed_at``)."""
         self.staged = staged
         """The copier's staged copy (``StagedFirstLayer``: ``taken``, ``usable_here()``, ``close(planned)``, the
         last two meaningful on the submitting thread only: on another it is neither used nor closed)."""

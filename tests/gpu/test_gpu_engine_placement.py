@@ -218,6 +218,8 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
     side.poll(set())
     assert side.take_load_failures() == []
     assert all(r.first_layer_ahead for r in records), records
+    # a load's times count from the engine's call, the first layer's early copy included
+    assert all(r.submitted_at < r.first_layer_handed_at < r.planned_at for r in records), records
     # what the store between the loads copied is what blocks 1-64 held: the fixture's truth
     dst = list(range(236, 236 + N_BLOCKS))
     load(side, scheduler, "ee-ahead-stored", other, dst, 0)
