@@ -46,7 +46,11 @@ def transfer_lines(head: str, run: dict[str, Any]) -> Iterator[str]:
                f"{r['release_ms']['median']:.3f}, layer 0 usable {r['gpu_first_layer_ms']['median']:.3f} "
                f"(p10 {r['gpu_first_layer_ms']['p10']:.3f}, p90 {r['gpu_first_layer_ms']['p90']:.3f})"
                + (f", its wait returned {r['first_layer_waited_ms']['median']:.3f}" if "first_layer_waited_ms" in r
-                  else ""))
+                  else "")
+               + (f", first layer handed over {r['first_layer_handed_ms']['median']:.3f}"
+                  if "first_layer_handed_ms" in r else "")
+               + (f", submit stamped {r['submit_stamped_ms']['median']:.3f} after the call"
+                  if "submit_stamped_ms" in r else ""))
     h2d, d2h = raw["h2d_pinned_ms"]["median"], raw["d2h_pinned_ms"]["median"]
     chunk_major = placed["retrieve"]["0"]["complete_ms"]["median"]
     cells = [f"chunk-major / raw H2D {chunk_major / h2d:.3f}x"]

@@ -418,6 +418,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                     torch.cuda.synchronize()
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     ev[0].record(stream)
+                    called = time.perf_counter()
                     worker.submit_retrieve(rid, key, [dst], layers_per_slice=width, located=located)
                     _spin_until_released(worker, rid)
                     for layer in range(cache.num_layers):
@@ -444,6 +445,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                         "reply_ms": (rec.transfer_ended_at - rec.submitted_at) * 1e3,
                         "gpu_first_layer_ms": ev[0].elapsed_time(ev[1]),
                         "first_layer_waited_ms": (first_waited - rec.submitted_at) * 1e3,
+                        "submit_stamped_ms": (rec.submitted_at - called) * 1e3,
                         "gpu_complete_ms": ev[0].elapsed_time(ev[2]),
                         "released_in_flight": bool(rec.released_before_complete),
                         "first_layer_ahead": bool(getattr(rec, "first_layer_ahead", False)),
@@ -452,6 +454,8 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                             "planned_ms": (rec.planned_at - rec.submitted_at) * 1e3,
                             "first_slice_enqueued_ms": (rec.first_slice_at - rec.submitted_at) * 1e3}
                            if rec.located_at is not None else {}),
+                        **({"first_layer_handed_ms": (rec.first_layer_handed_at - rec.submitted_at) * 1e3}
+                           if getattr(rec, "first_layer_handed_at", None) is not None else {}),
                     })
             out["verified"] = verified
             res = {}
@@ -459,9 +463,9 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
                 rows = runs[width]
                 res[str(width)] = {k: stats([r[k] for r in rows]) for k in
                                    ("release_ms", "complete_ms", "reply_ms", "gpu_first_layer_ms",
-                                    "gpu_complete_ms", "first_layer_waited_ms", "replied_ms", "located_ms", "planned_ms",
-                                    "first_slice_enqueued_ms")
-                                   if k in rows[0]}
+                                    "gpu_complete_ms", "first_layer_waited_ms", "submit_stamped_ms", "replied_ms",
+                                    "located_ms", "planned_ms", "first_layer_handed_ms", "first_slice_enqueued_ms")
+                                   if all(k in r for r in rows)}
                 res[str(width)]["released_in_flight"] = sum(r["released_in_flight"] for r in rows)
                 res[str(width)]["first_layer_ahead"] = sum(r["first_layer_ahead"] for r in rows)
                 if width != 0:  # paired with the chunk-major retrieve of the same round
@@ -837,8 +841,12 @@ def print_summary(result: dict[str, Any], modes: list[str]) -> None:
                          f"{r['first_slice_enqueued_ms']['median']:.3f}"
                          f" first layer ahead {r.get('first_layer_ahead', 0)}/{r['release_ms']['n']}"
                          if "located_ms" in r else "")
+                      + (f" first layer handed over {r['first_layer_handed_ms']['median']:.3f}"
+                         if "first_layer_handed_ms" in r else "")
                       + (f" layer 0 waited {r['first_layer_waited_ms']['median']:.3f}"
-                         if "first_layer_waited_ms" in r else ""))
+                         if "first_layer_waited_ms" in r else "")
+                      + (f" (submit stamped {r['submit_stamped_ms']['median']:.3f} after the call)"
+                         if "submit_stamped_ms" in r else ""))
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']} (limit {t['limit']}) {'MET' if t['met'] else 'MISSED'}")
     ee = result.get("engine_placement")

@@ -718,12 +718,14 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
     return out
 
 
-LOAD_STAGES = ("located_at", "planned_at", "first_slice_at", "last_slice_at", "released_at", "completed_at")
+LOAD_STAGES = ("first_layer_handed_at", "located_at", "planned_at", "first_slice_at", "last_slice_at", "released_at",
+               "completed_at")
 
 
 def load_stages(rec: Any) -> dict[str, float]:
     """When each step of a load ended, in ms after its submit (engine placement: from the LOOKUP's locations to the
-    first and last slice handed to the native thread, the release and the settle)."""
+    first and last slice handed to the native thread, the release and the settle; before them, the first layer's
+    copy handed over ahead of the plan, where it was)."""
     return {name.removesuffix("_at"): round((getattr(rec, name) - rec.submitted_at) * 1e3, 3)
             for name in LOAD_STAGES if getattr(rec, name, None) is not None}
 
