@@ -17,7 +17,6 @@ if OUT:
         setattr(owner, name, timed)
     from kvstrata.core.engine import placement, engine_placement, transfer_queue, requests
     from kvstrata.native import cuda_executor, load_issuer
-    from kvstrata.core.transfer import block_table
     EP = engine_placement.EnginePlacement
     wrap(placement.Placement, "submit_retrieve", "submit_retrieve (all)")
     wrap(EP, "_first_layer_ahead", "ahead: _first_layer_ahead (all)")
