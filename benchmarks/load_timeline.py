@@ -1,6 +1,7 @@
 """Where an engine-placement load's time to layer 0 goes, on the GPU's own clock: a CUPTI timeline.
 
-Runs ``transfer.py``'s engine-placement loads (1 GiB at Llama-3.1-8B shapes by default, chunk-major and width 1)
+Runs ``transfer.py``'s engine-placement loads (1 GiB at Llama-3.1-8B shapes by default, or ``--shape``; chunk-major
+and width 1, or ``--widths``)
 under ``torch.profiler`` with CPU and CUDA activities, so every driver call of the process (the engine's thread,
 the copier's native issuing thread) and every copy and kernel on the GPU land on one timeline. The load's planning
 steps are annotated (``kv::submit``, ``kv::first_layer_ahead``, ``kv::locate``, ``kv::enqueue_programs``,
@@ -10,6 +11,7 @@ copy and kernel from submit until layer 0's wait returned, in milliseconds after
 stream) it ran on:
 
     python benchmarks/load_timeline.py --out benchmarks/results/NAME/timeline.txt [--reps 6] [--trace FILE.json.gz]
+        [--shape llama-3.1-70b-tp8 --tokens 4096 --widths 0,4]
 
 The profiler adds microseconds to every annotated step and driver call: read the order and the gaps, not the
 absolute times (``transfer.py`` times the same loads unprofiled).
@@ -28,8 +30,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-WINDOW_US = 2500
-"""How far after a submit the timeline looks for its layer-0 wait (a width-1 load of 1 GiB lands layer 0 in ~1 ms)."""
+WINDOW_US = 5000
+"""How far after a submit the timeline looks for its layer-0 wait (a width-1 load of 1 GiB lands layer 0 in ~1 ms; the
+profiler stretches that)."""
 
 
 def annotate() -> None:
@@ -94,6 +97,8 @@ def timelines(events: list[dict[str, Any]], loads: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--shape", default="llama-3.1-8b", help="the model shape whose KV is moved (shapes.py)")
+    p.add_argument("--widths", default="0,1", help="the widths loaded, 0 = chunk-major (timelines: the others)")
     p.add_argument("--reps", type=int, default=6, help="loads per width (after one unmeasured round)")
     p.add_argument("--out", required=True, help="the timeline (text)")
     p.add_argument("--trace", default="", help="also keep the whole chrome trace here (gzipped)")
@@ -102,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     import transfer
+    from shapes import SHAPES
 
+    if args.shape not in SHAPES or SHAPES[args.shape].mla:
+        p.error(f"--shape {args.shape!r}: not one of {', '.join(k for k, v in SHAPES.items() if not v.mla)}")
+    transfer.SHAPE = SHAPES[args.shape]
+    widths = [int(w) for w in args.widths.split(",") if w]
     if not torch.cuda.is_available():
         print("benchmarks/load_timeline.py needs a CUDA device", file=sys.stderr)
         return 2
     annotate()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        result = transfer.measure_server("staged", args.tokens, 256, 16, args.reps, [0, 1], placement="engine",
+        result = transfer.measure_server("staged", args.tokens, 256, 16, args.reps, widths, placement="engine",
                                          locate="lookup")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {width: {k: round(v["median"], 3) for k, v in r.items() if isinstance(v, dict)}
                for width, r in result["retrieve"].items()}
     lines = [f"profiled medians (ms after submit): {json.dumps(summary)}"]
-    lines += timelines(json.loads(raw)["traceEvents"], 2 * args.reps)
+    lines += timelines(json.loads(raw)["traceEvents"], len(widths) * args.reps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,7 +1,8 @@
 """Transfer benchmark: a 1 GiB retrieve of 32 layers through a real server, against the raw copy limit.
 
-In one run on one GPU (Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16;
-8192 tokens = 1 GiB; chunk 256; vLLM's LBNHC cache with 16-token blocks):
+In one run on one GPU (by default Llama-3.1-8B shapes: 32 layers, 8 KV heads of 128, bf16; 8192 tokens = 1 GiB;
+``--shape`` takes another of ``shapes.py``'s, e.g. one GPU's shard of Llama-3.1-70B; chunk 256; vLLM's LBNHC cache
+with 16-token blocks):
 
 1. raw limits: one pinned host-to-GPU cudaMemcpy of the same bytes (the limit a
    retrieve is held to), and GPU-to-host for the store path; also from the
@@ -45,6 +46,11 @@ import traceback
 from typing import Any, Callable
 
 import torch
+
+from shapes import SHAPES, Shapes
+
+SHAPE: Shapes = SHAPES["llama-3.1-8b"]
+"""The model shape whose KV the run moves (``--shape``; set once, before any phase)."""
 
 TARGETS = {
     "chunk_major_vs_raw": 1.05,
@@ -180,13 +186,14 @@ def measure_raw(nbytes: int, reps: int) -> dict[str, Any]:
 # --- shared set-up -------------------------------------------------------------------
 
 
-def llama_cache(tokens: int, block_size: int):
+def engine_cache(tokens: int, block_size: int):
+    """vLLM's cache of :data:`SHAPE`, room for two loads of ``tokens``."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from kvstrata_testing.gpu_caches import GpuKVCache  # engine-format GPU caches: test support, not shipped
 
     nb = tokens // block_size
-    return GpuKVCache("vllm-LBNHC", num_layers=32, num_heads=8, head_size=128, dtype="bfloat16",
-                      num_blocks=2 * nb + 2, block_size=block_size)
+    return GpuKVCache("vllm-LBNHC", num_layers=SHAPE.layers, num_heads=SHAPE.kv_heads, head_size=SHAPE.head,
+                      dtype="bfloat16", num_blocks=2 * nb + 2, block_size=block_size)
 
 
 # --- 2. in-process executor times ------------------------------------------------------
@@ -198,7 +205,7 @@ def measure_inprocess(tokens: int, chunk: int, block_size: int, reps: int, modes
     from kvstrata.core.store.l1_store import L1Store
     from kvstrata.native.cuda_executor import CudaTransferConfig, CudaTransferEngine
 
-    cache = llama_cache(tokens, block_size)
+    cache = engine_cache(tokens, block_size)
     nb = tokens // block_size
     truth = cache.random_kv(tokens, seed=1)
     nbytes = cache.layout.object_bytes(tokens)
@@ -333,7 +340,7 @@ def measure_server(mode: str, tokens: int, chunk: int, block_size: int, reps: in
     from kvstrata.core.engine.server_placement import ServerPlacement
     from kvstrata.native.cuda_events import CudaEventBackend
 
-    cache = llama_cache(tokens, block_size)
+    cache = engine_cache(tokens, block_size)
     nb = tokens // block_size
     nbytes = cache.layout.object_bytes(tokens)
     src, dst = list(range(nb)), list(range(nb, 2 * nb))
@@ -529,7 +536,7 @@ def measure_sglang_offload(tokens: int, chunk: int, reps: int, forward_ms: list[
     from kvstrata.core.engine.worker_runtime import WorkerRuntime
     from kvstrata.server_process import ServerProcess
 
-    layers, heads, dim = 32, 8, 128
+    layers, heads, dim = SHAPE.layers, SHAPE.kv_heads, SHAPE.head
 
     def planes() -> tuple[torch.Tensor, ...]:
         return tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(layers))
@@ -655,6 +662,8 @@ def evaluate_engine_placement(raw: dict[str, Any], ee: dict[str, Any], server: d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="retrieve length; 8192 at Llama-3.1-8B shapes = 1 GiB")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(k for k, v in SHAPES.items() if not v.mla),
+                   help="the model shape whose KV is moved (shapes.py)")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=10)
@@ -680,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", default="", help="run only this phase, in this process, and write its result alone "
                    "(how the run starts each phase in a process of its own)")
     args = p.parse_args(argv)
+    global SHAPE
+    SHAPE = SHAPES[args.shape]
     variants = [parse_ab(spec) for spec in args.ab]
     if not torch.cuda.is_available():
         print("benchmarks/transfer.py needs a CUDA device", file=sys.stderr)
@@ -694,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"benchmark": "transfer", "commit": measured_commit(), "device": device_info(),
                               "config": {"tokens": args.tokens, "chunk": args.chunk, "block_size": args.block_size,
                                          "reps": args.reps, "modes": modes, "widths": widths,
-                                         "model": "Llama-3.1-8B shapes: 32 layers, 8 KV heads x 128, bf16",
+                                         "shape": args.shape, "model": SHAPE.describe(),
                                          "engine_format": "vllm-LBNHC",
                                          "switch_interval_s": sys.getswitchinterval()},
                               "errors": {}}
@@ -703,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     cuda_ext.load()
     result["extension_load_s"] = round(time.perf_counter() - t, 2)
-    nbytes = llama_cache_bytes(args.tokens)
+    nbytes = cache_bytes(args.tokens)
     phases = [("raw", lambda: measure_raw(nbytes, args.reps)),
               ("rawzmq", lambda: measure_raw_zmq(200)),
               ("inprocess", lambda: measure_inprocess(args.tokens, args.chunk, args.block_size, args.reps, modes,
@@ -794,8 +805,9 @@ def parse_ab(spec: str) -> tuple[str, list[str]]:
     return name, cli
 
 
-def llama_cache_bytes(tokens: int) -> int:
-    return tokens * 32 * 2 * 8 * 128 * 2
+def cache_bytes(tokens: int) -> int:
+    """The bytes of ``tokens`` tokens of :data:`SHAPE`'s KV (bf16, K and V)."""
+    return tokens * SHAPE.layers * 2 * SHAPE.kv_heads * SHAPE.head * 2
 
 
 def print_summary(result: dict[str, Any], modes: list[str]) -> None:
