@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import ttft  # noqa: E402  (its engine, caches and arm runner)
+from shapes import KV_SHAPES  # noqa: E402  (a sibling module)
 
 ARMS = {"streamed": 1, "whole": 0}
 """The loading arms and their slice widths."""
@@ -99,7 +100,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--format", default="vllm-LBNHC", choices=ttft.ENGINE_FORMATS)
-    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(k for k, v in ttft.SHAPES.items() if not v.mla))
+    p.add_argument("--shape", default="llama-3.1-8b", choices=KV_SHAPES)
     p.add_argument("--nodes", type=int, default=3, help="primaries of the Valkey cluster on this machine")
     p.add_argument("--out")
     args = p.parse_args()

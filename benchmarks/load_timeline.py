@@ -30,6 +30,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from shapes import KV_SHAPES, SHAPES  # noqa: E402  (a sibling module)
+
 WINDOW_US = 5000
 """How far after a submit the timeline looks for its layer-0 wait (a width-1 load of 1 GiB lands layer 0 in ~1 ms; the
 profiler stretches that)."""
@@ -97,7 +99,8 @@ def timelines(events: list[dict[str, Any]], loads: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--shape", default="llama-3.1-8b", help="the model shape whose KV is moved (shapes.py)")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=KV_SHAPES,
+                   help="the model shape whose KV is moved (shapes.py)")
     p.add_argument("--widths", default="0,1", help="the widths loaded, 0 = chunk-major (timelines: the others)")
     p.add_argument("--reps", type=int, default=6, help="loads per width (after one unmeasured round)")
     p.add_argument("--out", required=True, help="the timeline (text)")
@@ -107,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     import transfer
-    from shapes import SHAPES
 
-    if args.shape not in SHAPES or SHAPES[args.shape].mla:
-        p.error(f"--shape {args.shape!r}: not one of {', '.join(k for k, v in SHAPES.items() if not v.mla)}")
     transfer.SHAPE = SHAPES[args.shape]
     widths = [int(w) for w in args.widths.split(",") if w]
     if not torch.cuda.is_available():

@@ -64,3 +64,6 @@ SHAPES = {
                                mla=True),
 }
 """The shapes by name (``--shape`` of ``ttft.py``, ``transfer.py``, ``load_timeline.py``)."""
+
+KV_SHAPES = sorted(name for name, shape in SHAPES.items() if not shape.mla)
+"""The shapes that cache a K and a V plane per token: those a benchmark without an MLA cache takes."""

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-from shapes import SHAPES, Shapes
+from shapes import KV_SHAPES, SHAPES, Shapes
 
 SHAPE: Shapes = SHAPES["llama-3.1-8b"]
 """The model shape whose KV the run moves (``--shape``; set once, before any phase)."""
@@ -662,7 +662,7 @@ def evaluate_engine_placement(raw: dict[str, Any], ee: dict[str, Any], server: d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="retrieve length; 8192 at Llama-3.1-8B shapes = 1 GiB")
-    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(k for k, v in SHAPES.items() if not v.mla),
+    p.add_argument("--shape", default="llama-3.1-8b", choices=KV_SHAPES,
                    help="the model shape whose KV is moved (shapes.py)")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
