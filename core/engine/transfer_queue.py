@@ -13,11 +13,17 @@ made every load's last layer land late: see docs/decisions.md.)
 Two threads, so that enqueuing never waits for a copy to finish:
 
 * A load whose LOOKUP said where its chunks are is planned at submit, on the engine's
-  thread, when nothing submitted before it is still unplanned (handing it to another
-  thread would make its copies wait until the interpreter lets that thread run: up to
-  a switch interval, 5 ms, each time, while the engine's thread stays in Python).
-  Otherwise ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply
-  (sent from the engine's thread at submit) and plans it. On a GPU, a load that will be planned
+  thread, when nothing submitted before it is still unplanned and the load planned
+  before it has no copy left to run (handing it to another thread would make its
+  copies wait until the interpreter lets that thread run: up to a switch interval,
+  5 ms, each time, while the engine's thread stays in Python). Otherwise
+  ``kvstrata-transfer-enqueue`` does it: waits for the load's RETRIEVE reply (sent from
+  the engine's thread at submit, if any) and plans it. A load submitted while another's
+  copies still run would wait behind them on the copy engine anyway; planned at
+  submit, a burst of loads would keep the engine's thread from its step until every
+  one was planned, and the first request from its release (16 loads of a 70B shard's
+  30,720-token prefix: released 51 ms after submit instead of 3; see
+  ``benchmarks/README.md``). On a GPU, a load that will be planned
   right away at submit has its first layer's copy into staging handed to the GPU before
   anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
   takes longer than that copy needs to start. A load's first layer is planned
@@ -169,6 +175,8 @@ class TransferQueue:
         self._free_lock = threading.Lock()
         self._planning = threading.Lock()
         """Held while a load is planned, by whichever thread plans it: loads are planned one at a time, in order."""
+        self._last_planned: QueuedLoad | None = None
+        """The load planned last (under ``_planning``): while its copies run, later loads are not planned at submit."""
         self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
         self._enqueue_thread = threading.Thread(target=self._enqueue_loop, name="kvstrata-transfer-enqueue",
                                                 daemon=True)
@@ -179,10 +187,11 @@ class TransferQueue:
 
     def submit(self, load: QueuedLoad) -> Future:
         """Queue ``load``; called from the engine's thread. When the load already knows where its chunks are (its
-        LOOKUP said so) and nothing submitted before it is still unplanned, it is planned right here: the engine's
-        thread holds the GIL anyway, and handing the load to the enqueue thread would make its copies wait until
-        the interpreter lets that thread run (up to a switch interval, 5 ms, each time an engine thread that stays
-        in Python holds the GIL)."""
+        LOOKUP said so), nothing submitted before it is still unplanned and no earlier load's copies are still
+        running, it is planned right here: the engine's thread holds the GIL anyway, and handing the load to the
+        enqueue thread would make its copies wait until the interpreter lets that thread run (up to a switch
+        interval, 5 ms, each time an engine thread that stays in Python holds the GIL). Behind running copies,
+        the enqueue thread has that long and more, and the engine's thread goes back to its step."""
         with self._pending_cond:
             self._pending.append(load)
         held = load.ahead is not None and load.ahead.planning_held
@@ -200,7 +209,8 @@ class TransferQueue:
                           stage: Callable[[list[tuple[int, int]]], Any]) -> FirstLayerAhead | None:
         """Called from the engine's thread at the very start of a load whose LOOKUP located its chunks
         (``pool`` and ``objects`` as a RETRIEVE reply has them): when the load is certain to be planned right
-        away on this thread (nothing submitted before it still unplanned, no slice observer), copy its first
+        away on this thread (nothing submitted before it still unplanned, no earlier load's copies still running,
+        no slice observer), copy its first
         layer into staging now with ``stage(spans)`` (``CudaLocalCopier.stage_first_layer``), before the load
         is planned, and hold the queue's planning for it. None where that does not apply: the load is planned as
         any other. Objects still filling from the shared tier are not copied ahead (their first layer may not
@@ -210,7 +220,7 @@ class TransferQueue:
         try:
             with self._pending_cond:
                 busy = bool(self._pending)
-            if not busy:
+            if not busy and not self._behind_copies():
                 _, landed = self._generations_for(pool)
                 if layers_landed(landed, [int(row[3]) for row in objects]) >= self.layout.num_layers:
                     staged = stage([(int(row[0]), int(row[2])) for row in objects])
@@ -277,7 +287,7 @@ class TransferQueue:
                     load = self._pending[0]
                     if load is None:
                         return not block  # the enqueue thread takes the end-of-queue mark
-                    if not block and (not load.reply.done() or self._observer_active()):
+                    if not block and (not load.reply.done() or self._observer_active() or self._behind_copies()):
                         return True  # the enqueue thread waits for the reply; an observer may block
                     self._pending.popleft()
                 if not self._plan(load, inline=not block):
@@ -294,6 +304,13 @@ class TransferQueue:
         observer = self._slice_observer
         return observer is not None and bool(getattr(observer, "active", lambda: True)())
 
+    def _behind_copies(self) -> bool:
+        """Whether the load planned last still has copies to run (called holding ``_planning``): a load planned now
+        would queue behind them on the copy engine."""
+        last = self._last_planned
+        return (last is not None and last.error is None and last.last_completion is not None
+                and not self._landed(last.last_completion))
+
     def _plan(self, load: QueuedLoad, inline: bool) -> bool:
         """Locate and plan ``load`` and hand it to the settle thread; False (nothing planned) when ``inline`` and
         its chunks are still filling from the shared tier."""
@@ -306,6 +323,7 @@ class TransferQueue:
             if inline and load.filling:
                 return False
             self._enqueue_slices(load)
+            self._last_planned = load
         self._enqueued.put(load)
         return True
 

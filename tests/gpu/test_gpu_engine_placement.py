@@ -189,7 +189,7 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
         time.sleep(0.001)
     assert failures == [set(bad)], failures
     assert bad_record.first_layer_ahead is False and bad_record.failure, bad_record
-    # three loads back to back, each planned while the one before still copies, and a store among them
+    # three loads back to back, each submitted while the one before may still copy, and a store among them
     dsts = [list(range(65 + N_BLOCKS * i, 65 + N_BLOCKS * (i + 1))) for i in range(3)]  # blocks 1-64 hold truth
     for i, dst in enumerate(dsts):
         random.Random(i).shuffle(dst)
@@ -217,9 +217,12 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
     side.transfers.wait_all(30)
     side.poll(set())
     assert side.take_load_failures() == []
-    assert all(r.first_layer_ahead for r in records), records
+    # the first goes ahead (nothing copies before it); one submitted while the one before still copied is planned
+    # by the enqueue thread, without its first layer ahead
+    assert records[0].first_layer_ahead, records[0]
     # a load's times count from the engine's call, the first layer's early copy included
-    assert all(r.submitted_at < r.first_layer_handed_at < r.planned_at for r in records), records
+    assert all(r.submitted_at < r.first_layer_handed_at < r.planned_at for r in records if r.first_layer_ahead), records
+    assert all(r.submitted_at < r.planned_at for r in records), records
     # what the store between the loads copied is what blocks 1-64 held: the fixture's truth
     dst = list(range(236, 236 + N_BLOCKS))
     load(side, scheduler, "ee-ahead-stored", other, dst, 0)

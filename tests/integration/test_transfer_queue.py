@@ -259,3 +259,76 @@ def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release
         backend.land_everything()
         worker.close()
         engine.close()
+
+
+class _ThreadRecordingCopier(_GatedCopier):
+    """The gated CPU copies, noting which thread planned each slice."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.planned_on: list[str] = []
+
+    def mark_slice(self, executor):
+        self.planned_on.append(threading.current_thread().name)
+        return super().mark_slice(executor)
+
+
+class _ThreadRecordingBackend(_GatedBackend):
+    def engine_copier(self, layout, regions, pool, writable=False):
+        self.copier = _ThreadRecordingCopier(layout, list(regions), pool, completions=self.completions,
+                                             landing=self.landing)
+        return self.copier
+
+
+def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_thread(client):
+    """Two loads located by their LOOKUPs: the first is planned by the engine's thread at submit; the second,
+    submitted while the first's copies have not landed, by the enqueue thread (the engine's thread goes back to
+    its step); once every copy landed, a third is planned at submit again. All three land byte-exact."""
+    from kvstrata.core.engine.requests import ChunkLocations
+    from kvstrata.core.store.keys import CacheKey
+
+    tokens, width = 64, 8  # 32 layers: four slices a load
+    engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
+    backend = _ThreadRecordingBackend()
+    worker = EnginePlacement(client, 16, engine.layout, local_regions=engine.regions, event_backend=backend)
+    here = threading.current_thread().name
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=26)
+        store_prompt(client, engine, prompt, instance_id=16)
+        dsts = {}
+
+        def submit(rid: str) -> None:
+            key = CacheKey.for_tokens(rid, prompt, model="m")
+            reply = client.transport.wait(client.lookup_async(key))
+            assert reply["hit_tokens"] == tokens
+            dsts[rid] = engine.allocate(tokens)
+            engine.clear(dsts[rid])
+            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width,
+                                   located=ChunkLocations.from_lookup_reply(reply))
+
+        def planned(n: int) -> list[str]:
+            deadline = time.monotonic() + 60  # only catches a hang
+            while len(backend.copier.planned_on) < n:
+                assert time.monotonic() < deadline, backend.copier.planned_on
+                time.sleep(0.001)
+            return backend.copier.planned_on[:n]
+
+        submit("first")
+        assert planned(4) == [here] * 4
+        submit("behind")  # the first's slices are recorded, none landed
+        assert planned(8)[4:] == ["kvstrata-transfer-enqueue"] * 4
+        backend.land_everything()
+        for rid in ("first", "behind"):
+            release_of(worker, rid)
+        worker.wait_all()
+        submit("after")
+        assert planned(12)[8:] == [here] * 4
+        worker.wait_all()
+        for rid, dst in dsts.items():
+            assert worker.records[rid].failure is None, rid
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+    finally:
+        backend.land_everything()
+        worker.close()
+        engine.close()
