@@ -172,6 +172,10 @@ class TransferQueue:
         self._pending: deque[QueuedLoad | None] = deque()
         """Loads submitted and not planned yet, in submission order (None: closing)."""
         self._pending_cond = threading.Condition()
+        self._handed_over = False
+        """Set (under ``_pending_cond``) when a load is left to the enqueue thread, and cleared when it wakes: it wakes
+        only for that. Woken because anything is pending, a thread late back from its last round would take the
+        planning lock from under a submit about to plan its own load."""
         self._free_lock = threading.Lock()
         self._planning = threading.Lock()
         """Held while a load is planned, by whichever thread plans it: loads are planned one at a time, in order."""
@@ -202,7 +206,7 @@ class TransferQueue:
             # the enqueue thread is woken only for what this thread left unplanned: woken for every load, it would
             # take the planning lock from under the next submit for nothing
             if self._pending:
-                self._pending_cond.notify()
+                self._hand_over()
         return load.future
 
     def first_layer_ahead(self, pool: dict[str, Any], objects: Sequence[Sequence[int]],
@@ -235,7 +239,7 @@ class TransferQueue:
         """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
         with self._pending_cond:
             self._pending.append(None)
-            self._pending_cond.notify()
+            self._hand_over()
         self._enqueue_thread.join()
         self._settle_thread.join()
 
@@ -264,10 +268,16 @@ class TransferQueue:
 
     # --- the enqueue thread ----------------------------------------------------------
 
+    def _hand_over(self) -> None:
+        """Call holding ``_pending_cond``: wake the enqueue thread for what is pending."""
+        self._handed_over = True
+        self._pending_cond.notify()
+
     def _enqueue_loop(self) -> None:
         while True:
             with self._pending_cond:
-                self._pending_cond.wait_for(lambda: bool(self._pending))
+                self._pending_cond.wait_for(lambda: self._handed_over)
+                self._handed_over = False
             if not self._plan_ready(block=True):
                 self._enqueued.put(None)
                 return
@@ -293,7 +303,7 @@ class TransferQueue:
                 if not self._plan(load, inline=not block):
                     with self._pending_cond:  # its slices must wait for the shared tier: not on the engine's thread
                         self._pending.appendleft(load)
-                        self._pending_cond.notify()
+                        self._hand_over()
                     return True
         finally:
             self._planning.release()

@@ -322,6 +322,11 @@ def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_threa
         for rid in ("first", "behind"):
             release_of(worker, rid)
         worker.wait_all()
+        # the enqueue thread lets go of the planning a moment after its last load; woken only for a load handed to
+        # it, it does not take it again
+        planning = worker._queue._planning
+        assert planning.acquire(timeout=60), "the enqueue thread never finished planning"
+        planning.release()
         submit("after")
         assert planned(12)[8:] == [here] * 4
         worker.wait_all()
