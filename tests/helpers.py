@@ -19,6 +19,7 @@ from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.engine.placement import Placement
 
 if TYPE_CHECKING:
+    from kvstrata.core.engine.engine_placement import EnginePlacement
     from kvstrata.core.server.cache_server import CacheServer
     from kvstrata.core.shm import Segment
 
@@ -64,6 +65,15 @@ def release_of(worker: Placement, request_id: str, timeout: float = 60.0) -> dic
             raise TimeoutError(f"{request_id} was never released")
         time.sleep(0.0005)
     return seen.pop(request_id)
+
+
+def planning_idle(worker: "EnginePlacement", timeout: float) -> None:
+    """Wait (bounded) until no thread plans a load in ``worker``'s transfer queue: the enqueue thread lets go of the
+    planning a moment after its last load (which may be after that load completed), and a load submitted while it
+    holds it is left to it. Woken only for a load handed to it, it does not take the planning again."""
+    planning = worker._queue._planning
+    assert planning.acquire(timeout=timeout), "a load's planning never ended"
+    planning.release()
 
 
 def read_every_layer(worker: Placement, num_layers: int) -> None:

@@ -28,6 +28,7 @@ from kvstrata.core.store.keys import CacheKey, pack_tokens
 from kvstrata.conformance_tests.slice_hold import SliceHold
 from kvstrata.core.wire.client import CacheClient
 
+from helpers import planning_idle
 from test_gpu_vllm_worker import BS, vllm_gpu_cache
 
 N_BLOCKS = 64  # 1024 tokens
@@ -104,15 +105,6 @@ def load(side: WorkerRuntime, scheduler: CacheClient, rid: str, tokens: list[int
     return found
 
 
-def planning_idle(side: WorkerRuntime) -> None:
-    """Wait (bounded) until no thread plans a load: a load located by its LOOKUP copies its first layer ahead only
-    when it is planned at submit, and the enqueue thread lets go of the planning a moment after handing a
-    RETRIEVE-located load over, which may be after that load completed."""
-    planning = side.transfers._queue._planning
-    assert planning.acquire(timeout=30), "a load's planning never ended"
-    planning.release()
-
-
 def back_to_back(found: ChunkLocations) -> bool:
     """Whether the LOOKUP's objects are of one size and lie back to back in the pool: then a load located by it
     copies its first layer before it is planned (``RetrieveRecord.first_layer_ahead``)."""
@@ -152,7 +144,7 @@ def test_every_width_lands_byte_exact_in_the_engines_cache(engine, scheduler, wi
     for t in layers.values():
         t[dst] = 0
     rid = f"ee-w{width}-{locate}"
-    planning_idle(side)
+    planning_idle(side.transfers, 30)  # a load copies its first layer ahead only when planned at submit
     found = load(side, scheduler, rid, tokens, dst, width, locate)
     record = side.transfers.records[rid]
     wait_released(side, rid)
@@ -174,7 +166,7 @@ def test_the_first_layer_goes_ahead_of_the_plan_and_a_submit_that_fails_gives_it
     and the store after it, planned while the GPU may still be copying it, are byte-exact."""
     side, layers, tokens, truth, _ = engine
     bad = [10_000] + list(range(65, 65 + N_BLOCKS - 1))  # the first block id is not in the cache (300 blocks)
-    planning_idle(side)
+    planning_idle(side.transfers, 30)  # a load copies its first layer ahead only when planned at submit
     key = CacheKey(lock_owner("ee-ahead-bad", side.instance_id), side.model, 1, 0, pack_tokens(tokens), None)
     found = ChunkLocations.from_lookup_reply(scheduler.transport.wait(scheduler.lookup_async(key)))
     assert back_to_back(found), f"the fixture's store left its objects apart in a fresh pool: {found.objects}"

@@ -12,7 +12,8 @@ from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.adapters.reference.engine import ReferenceEngine
 from kvstrata.conformance_tests.slice_hold import SliceHold
 
-from helpers import SMALL_32, lookup_into_fresh_blocks, random_prompt, read_every_layer, release_of, store_prompt
+from helpers import (SMALL_32, lookup_into_fresh_blocks, planning_idle, random_prompt, read_every_layer, release_of,
+                     store_prompt)
 
 
 def test_the_retired_policy_setting_is_ignored_with_a_warning(caplog):
@@ -322,11 +323,7 @@ def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_threa
         for rid in ("first", "behind"):
             release_of(worker, rid)
         worker.wait_all()
-        # the enqueue thread lets go of the planning a moment after its last load; woken only for a load handed to
-        # it, it does not take it again
-        planning = worker._queue._planning
-        assert planning.acquire(timeout=60), "the enqueue thread never finished planning"
-        planning.release()
+        planning_idle(worker, 60)  # else the enqueue thread, still holding the planning, would take "after"
         submit("after")
         assert planned(12)[8:] == [here] * 4
         worker.wait_all()
