@@ -21,9 +21,8 @@ Two threads, so that enqueuing never waits for a copy to finish:
   the engine's thread at submit, if any) and plans it. A load submitted while another's
   copies still run would wait behind them on the copy engine anyway; planned at
   submit, a burst of loads would keep the engine's thread from its step until every
-  one was planned, and the first request from its release (16 loads of a 70B shard's
-  30,720-token prefix: released 51 ms after submit instead of 3; see
-  ``benchmarks/README.md``). On a GPU, a load that will be planned
+  one was planned, and the first request from its release (docs/decisions.md, "A load
+  behind running copies is planned off the engine's thread"). On a GPU, a load that will be planned
   right away at submit has its first layer's copy into staging handed to the GPU before
   anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
   takes longer than that copy needs to start. A load's first layer is planned
