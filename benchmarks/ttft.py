@@ -642,6 +642,7 @@ def run_arm(rig: FormatRig, client: Any, model: Decoder, placement: str, width: 
         wanted = None if placement.startswith("server") else "lookup" if locates_by_lookup(placement) else "retrieve"
         if any(r.located_by != wanted for r in recs):
             raise RuntimeError(f"arm {placement}: loads located by {[r.located_by for r in recs]}, not {wanted}")
+        out["submitted_ms"] = [(r.submitted_at - t0) * 1e3 for r in recs]
         out["release_ms"] = [(r.released_at - t0) * 1e3 for r in recs]
         if all(r.last_slice_at is not None for r in recs):  # engine-placement: when the queue enqueued the last slice
             out["last_enqueued_ms"] = [(r.last_slice_at - t0) * 1e3 for r in recs]
@@ -1052,7 +1053,11 @@ def main(argv: list[str] | None = None) -> int:
                                    "steps_per_rep": [[(st["requests"], round(st["start_ms"], 2), round(st["end_ms"], 2))
                                                       for st in r["steps"]] for r in rs],
                                    **({"release_ms_per_rep": [[round(t, 2) for t in r["release_ms"]] for r in rs],
-                                       "transfer_ms_per_rep": [[round(t, 2) for t in r["transfer_ms"]] for r in rs]}
+                                       "transfer_ms_per_rep": [[round(t, 2) for t in r["transfer_ms"]] for r in rs],
+                                       # each load's submit, then its steps after it (load_stages): planned late or
+                                       # landed late
+                                       "submitted_ms_per_rep": [[round(t, 2) for t in r["submitted_ms"]] for r in rs],
+                                       "stages_ms_per_rep": [r["stages_ms"] for r in rs]}
                                       if "release_ms" in rs[0] else {})}
                             for name, rs in runs.items()}
                     note_copiers(rig)
