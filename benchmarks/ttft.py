@@ -813,6 +813,18 @@ def parse_widths(text: str) -> list[int]:
     return [AUTO if w == "auto" else int(w) for w in text.split(",") if w]
 
 
+def warm_batch_sizes(rig: FormatRig, client: Any, model: Decoder, max_conc: int, new: int) -> list[int]:
+    """Run one step of every batch size 1..``max_conc`` (resident, no transfer) before the concurrency arms, as an
+    engine that has served a while has. PyTorch loads CUDA kernels lazily, on first launch, and loading one waits
+    for the work queued in the process's context: the first step of a batch size whose GEMMs pick a kernel not yet
+    used waited there for every copy queued behind it, in whichever arm met that batch size first (the trace is in
+    ``benchmarks/README.md``, "Kernels loaded on first use")."""
+    sizes = list(range(1, max_conc + 1))
+    for size in sizes:
+        run_arm(rig, client, model, None, None, size, new)
+    return sizes
+
+
 def served_one_after_another(width: int | None, serial: bool | None) -> bool:
     """Whether an arm's requests are loaded one after another (the next when the one before completed): chunk-major's
     always, a layer-major width's when ``serial`` says so (``--serial-widths``); None: the width's own order."""
@@ -1038,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}
+                    if concs:
+                        fres["batch_sizes_warmed"] = warm_batch_sizes(rig, client, model, max(concs),
+                                                                      args.concurrency_new)
                     conc_arms = concurrency_arms(placements, widths, serial_widths)
                     for conc in concs:
                         runs = {arm_name(*arm): [] for arm in conc_arms}
