@@ -897,6 +897,10 @@ def main(argv: list[str] | None = None) -> int:
                         "resident) is recorded, for the first format")
     p.add_argument("--server-args", default="", help="more `kvstrata serve` arguments for the run's server (an A/B "
                    "of a server mechanism: run once with and once without, in both orders)")
+    p.add_argument("--warm-batch-sizes", choices=("on", "off"), default="on",
+                   help="before the concurrency arms, run one step of every batch size up to the highest "
+                        "concurrency (off: each arm may be the first to launch a batch size's kernels, which PyTorch "
+                        "loads on first use, waiting for everything queued on the GPU)")
     p.add_argument("--engine-loop", choices=sorted(ENGINE_LOOPS), default="sleep",
                    help="between polls the engine's thread sleeps 20 us, or spins 20 us in Python (holding the GIL)")
     p.add_argument("--out", default="benchmarks/results/ttft-h200.json")
@@ -965,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
         "commit": measured_commit(),
-        "config": {"engine_loop": args.engine_loop, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths,
+        "config": {"engine_loop": args.engine_loop, "warm_batch_sizes": args.warm_batch_sizes, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use, "gc_collect_before_each_measurement": True,
@@ -1050,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
                             fres["timeline"]["resident"] = run_arm(rig, client, model, None, None, 1, new,
                                                                    timeline=True)
                     fres["concurrency"] = {}
-                    if concs:
+                    if concs and args.warm_batch_sizes == "on":
                         fres["batch_sizes_warmed"] = warm_batch_sizes(rig, client, model, max(concs),
                                                                       args.concurrency_new)
                     conc_arms = concurrency_arms(placements, widths, serial_widths)
