@@ -127,7 +127,7 @@ class EnginePlacement(Placement):
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
-                                    slice_observer=slice_observer)
+                                    copy_rate=lambda: self.slice_width.copy_rate, slice_observer=slice_observer)
 
     # --- registration ----------------------------------------------------------------
 

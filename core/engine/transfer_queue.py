@@ -71,6 +71,14 @@ LANDING_POLL_S = 0.0005
 have landed in the pool (sleeping, without the GIL, in between)."""
 
 
+PLAN_LEAD_S = 0.010
+"""How much of the last planned load's copies may still be ahead of the copy engine when the enqueue thread plans the
+next load: two switch intervals, the longest the thread may wait for the GIL after its wait (while the engine's
+thread stays in Python) and again while it plans. Planned with less ahead, the copy engine could run dry between
+loads; with more, the GPU would hold every queued load's copies at once, and whatever waits for the engine's
+context to be idle (a kernel PyTorch loads on its first launch, a ``cudaFree``) would wait for all of them."""
+
+
 class TransferAborted(RuntimeError):
     """A engine-placement copy stopped between slices because its load had already failed."""
 
@@ -114,6 +122,8 @@ class QueuedLoad:
     filling: bool = False
     """Some object it copies from was still filling from the shared tier when it was located: each slice
     waits for its layers to land (:meth:`TransferQueue._wait_landed`)."""
+    slice_ends: list[tuple[int, Any]] = field(default_factory=list)
+    """(layers landed once it has run, completion) of each slice planned so far, in order."""
     ahead: "FirstLayerAhead | None" = None
     """Its first layer's copy, handed to the GPU at submit (:meth:`TransferQueue.first_layer_ahead`)."""
 
@@ -154,12 +164,15 @@ class TransferQueue:
                  copier_for: Callable[[dict[str, Any]], LocalCopier], chunk_size: Callable[[], int],
                  retrieve_timeout: float, landed: Callable[[Any], bool],
                  generations_for: Callable[[dict[str, Any]], Any],
+                 copy_rate: Callable[[], float] | None = None,
                  slice_observer: planner.SliceObserver | None = None) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool); ``generations_for(pool)``: that pool's generation and landed words, mapped
         read-only. ``landed(completion)``: whether a slice's copy has run
-        (``EventBackend.landed``). ``slice_observer``: told of each load's slices as they are enqueued
-        (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
+        (``EventBackend.landed``). ``copy_rate()``: the bytes a second this process's copies move (the slice-width
+        model's measure), from which the enqueue thread tells when the copies ahead of a load are down to
+        :attr:`plan_lead`; without it, it plans each load at once. ``slice_observer``: told of each load's slices
+        as they are enqueued (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
         self._slice_observer = slice_observer
         self.client = client
         self.layout = layout
@@ -180,6 +193,10 @@ class TransferQueue:
         """Held while a load is planned, by whichever thread plans it: loads are planned one at a time, in order."""
         self._last_planned: QueuedLoad | None = None
         """The load planned last (under ``_planning``): while its copies run, later loads are not planned at submit."""
+        self._copy_rate = copy_rate
+        self.plan_lead = PLAN_LEAD_S
+        """Seconds of the last planned load's copies the enqueue thread lets run before it plans the next
+        (:data:`PLAN_LEAD_S`; 0: once they all ran)."""
         self._enqueued: "queue.Queue[QueuedLoad | None]" = queue.Queue()
         self._enqueue_thread = threading.Thread(target=self._enqueue_loop, name="kvstrata-transfer-enqueue",
                                                 daemon=True)
@@ -299,6 +316,8 @@ class TransferQueue:
                     if not block and (not load.reply.done() or self._observer_active() or self._behind_copies()):
                         return True  # the enqueue thread waits for the reply; an observer may block
                     self._pending.popleft()
+                if block:
+                    self._wait_for_lead()
                 if not self._plan(load, inline=not block):
                     with self._pending_cond:  # its slices must wait for the shared tier: not on the engine's thread
                         self._pending.appendleft(load)
@@ -319,6 +338,29 @@ class TransferQueue:
         last = self._last_planned
         return (last is not None and last.error is None and last.last_completion is not None
                 and not self._landed(last.last_completion))
+
+    def _wait_for_lead(self) -> None:
+        """On the enqueue thread, holding ``_planning``, before it plans a load: wait, without the GIL, until the load
+        planned last has at most :attr:`plan_lead` of copies left to run (by the measured copy rate), so that the
+        GPU holds at most that and one load's copies at a time. Its failure is its own: the wait just ends."""
+        last = self._last_planned
+        if (self._copy_rate is None or last is None or last.error is not None or last.job is None
+                or not last.slice_ends):
+            return
+        layers = self.layout.num_layers
+        layer_s = self.layout.object_bytes(last.job.num_tokens) / layers / max(self._copy_rate(), 1.0)
+        for landed_layers, completion in [(0, None), *last.slice_ends]:
+            if (layers - landed_layers) * layer_s <= self.plan_lead:
+                break
+        else:
+            return  # its slices are not all planned: it failed
+        if completion is None or self._landed(completion):
+            return
+        try:
+            last.copier.finish(completion)
+        except BaseException:  # noqa: BLE001 - reported by that load when it settles
+            log.debug("waiting for load %s's copies before planning the next ended early", last.request_id,
+                      exc_info=True)
 
     def _plan(self, load: QueuedLoad, inline: bool) -> bool:
         """Locate and plan ``load`` and hand it to the settle thread; False (nothing planned) when ``inline`` and
@@ -380,6 +422,7 @@ class TransferQueue:
                 if self._landed(completion):  # a copy that ran in the call (CPU): check its source before it counts
                     self._check_sources(load)
                 load.gate.record_slice(start, count, completion)
+                load.slice_ends.append((start + count, completion))
                 planner.slice_published(load.request_id, index, observer)
             except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
                 self._stop(load, exc)
@@ -415,6 +458,7 @@ class TransferQueue:
                 [completion] = enqueue_slices(load.executor, load.job, [(start + 1, count - 1)])
             load.last_completion = completion
             load.gate.record_slice(start, count, completion)
+            load.slice_ends.append((start + count, completion))
             planner.slice_published(load.request_id, 0, observer)
             if later:
                 if load.gate.failure:
@@ -422,6 +466,7 @@ class TransferQueue:
                 completions = enqueue_slices(load.executor, load.job, later)
                 for (first, layers), done in zip(later, completions):
                     load.gate.record_slice(first, layers, done)
+                    load.slice_ends.append((first + layers, done))
                 load.last_completion = completions[-1]
         except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
             self._stop(load, exc)

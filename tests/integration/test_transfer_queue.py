@@ -334,3 +334,83 @@ def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_threa
         backend.land_everything()
         worker.close()
         engine.close()
+
+
+class _WaitRecordingCopier(_ThreadRecordingCopier):
+    """The gated, thread-recording copies, noting which thread waited for which slice and when, among the plans."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[str, str, int]] = []
+        """("plan" or "wait", thread, slice index in the backend's completions) in order."""
+
+    def mark_slice(self, executor):
+        done = super().mark_slice(executor)
+        self.steps.append(("plan", threading.current_thread().name, len(self.completions) - 1))
+        return done
+
+    def finish(self, last_completion) -> None:
+        if last_completion is not None:
+            self.steps.append(("wait", threading.current_thread().name, self.completions.index(last_completion)))
+        super().finish(last_completion)
+
+
+class _WaitRecordingBackend(_GatedBackend):
+    def engine_copier(self, layout, regions, pool, writable=False):
+        self.copier = _WaitRecordingCopier(layout, list(regions), pool, completions=self.completions,
+                                           landing=self.landing)
+        return self.copier
+
+
+def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to_the_lead(client):
+    """A load behind running copies is planned by the enqueue thread only once the load planned before it has at
+    most ``plan_lead`` of copies left (here 0: all of them): the GPU never holds every queued load's copies at
+    once. The wait is for that load's last slice, and the load is planned right after it lands; both land
+    byte-exact."""
+    from kvstrata.core.engine.requests import ChunkLocations
+    from kvstrata.core.store.keys import CacheKey
+
+    tokens, width = 64, 8  # 32 layers: four slices a load
+    engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
+    backend = _WaitRecordingBackend()
+    worker = EnginePlacement(client, 17, engine.layout, local_regions=engine.regions, event_backend=backend)
+    enqueue = "kvstrata-transfer-enqueue"
+    try:
+        worker.register()
+        worker._queue.plan_lead = 0.0
+        prompt = random_prompt(tokens, seed=27)
+        store_prompt(client, engine, prompt, instance_id=17)
+        dsts = {}
+        for rid in ("first", "behind"):
+            key = CacheKey.for_tokens(rid, prompt, model="m")
+            reply = client.transport.wait(client.lookup_async(key))
+            assert reply["hit_tokens"] == tokens
+            dsts[rid] = engine.allocate(tokens)
+            engine.clear(dsts[rid])
+            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width,
+                                   located=ChunkLocations.from_lookup_reply(reply))
+        steps = backend.copier.steps
+        deadline = time.monotonic() + 60  # only catches a hang
+        while ("wait", enqueue, 3) not in steps:
+            assert time.monotonic() < deadline, steps
+            time.sleep(0.001)
+        for done in backend.completions[:3]:  # every slice of the first but its last: still not planned
+            done.set()
+        release_of(worker, "first")
+        assert [s for s in steps if s[0] == "plan"] == [("plan", threading.current_thread().name, i) for i in range(4)]
+        backend.completions[3].set()
+        while len([s for s in steps if s[0] == "plan"]) < 8:
+            assert time.monotonic() < deadline, steps
+            time.sleep(0.001)
+        enqueue_steps = [s for s in steps if s[1] == enqueue]
+        assert enqueue_steps == [("wait", enqueue, 3)] + [("plan", enqueue, i) for i in range(4, 8)]
+        backend.land_everything()
+        release_of(worker, "behind")
+        worker.wait_all()
+        for rid, dst in dsts.items():
+            assert worker.records[rid].failure is None, rid
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+    finally:
+        backend.land_everything()
+        worker.close()
+        engine.close()
