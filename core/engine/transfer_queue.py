@@ -22,7 +22,11 @@ Two threads, so that enqueuing never waits for a copy to finish:
   copies still run would wait behind them on the copy engine anyway; planned at
   submit, a burst of loads would keep the engine's thread from its step until every
   one was planned, and the first request from its release (docs/decisions.md, "A load
-  behind running copies is planned off the engine's thread"). On a GPU, a load that will be planned
+  behind running copies is planned off the engine's thread"). The enqueue thread plans
+  a load only once the load planned before it has at most :data:`PLAN_LEAD_S` of
+  copies left, so the GPU never holds a whole burst: whatever waits for the engine's
+  context to be idle would wait for all of it (docs/decisions.md, "The queue plans a
+  load once the copies ahead of it are down to a lead"). On a GPU, a load that will be planned
   right away at submit has its first layer's copy into staging handed to the GPU before
   anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
   takes longer than that copy needs to start. A load's first layer is planned
