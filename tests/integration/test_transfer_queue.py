@@ -93,10 +93,14 @@ class _GatedCopier(HostCopier):
 class _GatedBackend(HostEventBackend):
     """Host events whose ``landed`` is the test's word."""
 
-    def __init__(self) -> None:
+    def __init__(self, copier_class: type["_GatedCopier"] | None = None) -> None:
+        """``copier_class``: the gated copier this backend builds (default :class:`_GatedCopier`), kept as
+        ``copier`` for the test to read."""
         self.completions: list[threading.Event] = []
         self.landing = threading.Event()
         """Set: every slice lands as soon as it is enqueued (the test's teardown)."""
+        self._copier_class = copier_class or _GatedCopier
+        self.copier: _GatedCopier | None = None
 
     def land_everything(self) -> None:
         self.landing.set()
@@ -107,7 +111,9 @@ class _GatedBackend(HostEventBackend):
         return event is None or event.is_set()
 
     def engine_copier(self, layout, regions, pool, writable=False):
-        return _GatedCopier(layout, list(regions), pool, completions=self.completions, landing=self.landing)
+        self.copier = self._copier_class(layout, list(regions), pool, completions=self.completions,
+                                         landing=self.landing)
+        return self.copier
 
 
 def test_the_queue_plans_every_slice_without_waiting_for_any_to_land(client, tmp_path):
@@ -214,11 +220,6 @@ class _ProgramCopier(_GatedCopier):
         return completions
 
 
-class _ProgramBackend(_GatedBackend):
-    def engine_copier(self, layout, regions, pool, writable=False):
-        self.copier = _ProgramCopier(layout, list(regions), pool, completions=self.completions, landing=self.landing)
-        return self.copier
-
 
 @pytest.mark.parametrize("width", [0, 4])
 def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release_waits_for_the_whole_first_slice(
@@ -229,7 +230,7 @@ def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release
     only once its whole first slice has landed, and every layer lands byte-exact."""
     tokens, layers = 64, SMALL_32.num_layers
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
-    backend = _ProgramBackend()
+    backend = _GatedBackend(_ProgramCopier)
     worker = EnginePlacement(client, 15, engine.layout, local_regions=engine.regions, event_backend=backend)
     try:
         worker.register()
@@ -262,6 +263,22 @@ def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release
         engine.close()
 
 
+def submit_located(client, worker: EnginePlacement, engine: ReferenceEngine, rid: str, prompt: list[int],
+                   width: int) -> list[int]:
+    """What a scheduler and its worker do for a load located by its LOOKUP: LOOKUP the whole prompt (it must hit),
+    allocate and poison the destination, submit with the LOOKUP's locations; returns the destination blocks."""
+    from kvstrata.core.engine.requests import ChunkLocations
+    from kvstrata.core.store.keys import CacheKey
+
+    key = CacheKey.for_tokens(rid, prompt, model="m")
+    reply = client.transport.wait(client.lookup_async(key))
+    assert reply["hit_tokens"] == len(prompt)
+    dst = engine.allocate(len(prompt))
+    engine.clear(dst)
+    worker.submit_retrieve(rid, key, [dst], layers_per_slice=width, located=ChunkLocations.from_lookup_reply(reply))
+    return dst
+
+
 class _ThreadRecordingCopier(_GatedCopier):
     """The gated CPU copies, noting which thread planned each slice."""
 
@@ -274,23 +291,14 @@ class _ThreadRecordingCopier(_GatedCopier):
         return super().mark_slice(executor)
 
 
-class _ThreadRecordingBackend(_GatedBackend):
-    def engine_copier(self, layout, regions, pool, writable=False):
-        self.copier = _ThreadRecordingCopier(layout, list(regions), pool, completions=self.completions,
-                                             landing=self.landing)
-        return self.copier
-
 
 def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_thread(client):
     """Two loads located by their LOOKUPs: the first is planned by the engine's thread at submit; the second,
     submitted while the first's copies have not landed, by the enqueue thread (the engine's thread goes back to
     its step); once every copy landed, a third is planned at submit again. All three land byte-exact."""
-    from kvstrata.core.engine.requests import ChunkLocations
-    from kvstrata.core.store.keys import CacheKey
-
     tokens, width = 64, 8  # 32 layers: four slices a load
     engine = ReferenceEngine(SMALL_32, num_blocks=3 * tokens // 16 + 4, block_size=16)
-    backend = _ThreadRecordingBackend()
+    backend = _GatedBackend(_ThreadRecordingCopier)
     worker = EnginePlacement(client, 16, engine.layout, local_regions=engine.regions, event_backend=backend)
     here = threading.current_thread().name
     try:
@@ -300,13 +308,7 @@ def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_threa
         dsts = {}
 
         def submit(rid: str) -> None:
-            key = CacheKey.for_tokens(rid, prompt, model="m")
-            reply = client.transport.wait(client.lookup_async(key))
-            assert reply["hit_tokens"] == tokens
-            dsts[rid] = engine.allocate(tokens)
-            engine.clear(dsts[rid])
-            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width,
-                                   located=ChunkLocations.from_lookup_reply(reply))
+            dsts[rid] = submit_located(client, worker, engine, rid, prompt, width)
 
         def planned(n: int) -> list[str]:
             deadline = time.monotonic() + 60  # only catches a hang
@@ -355,24 +357,15 @@ class _WaitRecordingCopier(_ThreadRecordingCopier):
         super().finish(last_completion)
 
 
-class _WaitRecordingBackend(_GatedBackend):
-    def engine_copier(self, layout, regions, pool, writable=False):
-        self.copier = _WaitRecordingCopier(layout, list(regions), pool, completions=self.completions,
-                                           landing=self.landing)
-        return self.copier
-
 
 def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to_the_lead(client):
     """A load behind running copies is planned by the enqueue thread only once the load planned before it has at
     most ``plan_lead`` of copies left (here 0: all of them): the GPU never holds every queued load's copies at
     once. The wait is for that load's last slice, and the load is planned right after it lands; both land
     byte-exact."""
-    from kvstrata.core.engine.requests import ChunkLocations
-    from kvstrata.core.store.keys import CacheKey
-
     tokens, width = 64, 8  # 32 layers: four slices a load
     engine = ReferenceEngine(SMALL_32, num_blocks=2 * tokens // 16 + 4, block_size=16)
-    backend = _WaitRecordingBackend()
+    backend = _GatedBackend(_WaitRecordingCopier)
     worker = EnginePlacement(client, 17, engine.layout, local_regions=engine.regions, event_backend=backend)
     enqueue = "kvstrata-transfer-enqueue"
     try:
@@ -380,15 +373,7 @@ def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to
         worker._queue.plan_lead = 0.0
         prompt = random_prompt(tokens, seed=27)
         store_prompt(client, engine, prompt, instance_id=17)
-        dsts = {}
-        for rid in ("first", "behind"):
-            key = CacheKey.for_tokens(rid, prompt, model="m")
-            reply = client.transport.wait(client.lookup_async(key))
-            assert reply["hit_tokens"] == tokens
-            dsts[rid] = engine.allocate(tokens)
-            engine.clear(dsts[rid])
-            worker.submit_retrieve(rid, key, [dsts[rid]], layers_per_slice=width,
-                                   located=ChunkLocations.from_lookup_reply(reply))
+        dsts = {rid: submit_located(client, worker, engine, rid, prompt, width) for rid in ("first", "behind")}
         steps = backend.copier.steps
         deadline = time.monotonic() + 60  # only catches a hang
         while ("wait", enqueue, 3) not in steps:
