@@ -1,5 +1,6 @@
-"""The tables of a ``benchmarks/ttft_sweep.sh`` run: every cell's share of the overlap ceiling, concurrency against
-chunk-major, what a spinning engine thread does to a load's completion, and where a load's time goes.
+"""The tables of a ``benchmarks/ttft_sweep.sh`` run: every cell's share of the overlap ceiling, how far its best
+width is from perfect overlap, concurrency against chunk-major, what a spinning engine thread does to a load's
+completion, and where a load's time goes.
 
     python benchmarks/ttft_sweep_table.py DIR [--out DIR/table.md]
 """
@@ -48,6 +49,30 @@ def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
                    f"{row['chunk_major_ttft_ms']:.1f} | w{row['best_width']} | {row['best_ttft_ms']:.1f} | "
                    f"{100 * row['fraction_of_ceiling']:.0f}% | {auto} | {auto_share_text} | "
                    f"{pct(row.get('auto_vs_best_fixed'))} |")
+    return out
+
+
+def overlap_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """Each one-request cell's best fixed width against perfect overlap: its first-token time beyond the longer of
+    compute alone and chunk-major's transfer (what no width can beat), next to when its request was released
+    after submit and when its own transfer completed (medians). A cell short of the ceiling is short by that
+    first column; the release says how much of it passed before the engine could start."""
+    out = ["| shape | prefix | loop | format | new | compute alone ms | chunk-major transfer ms | best fixed | ms "
+           "| beyond overlap ms | released after submit ms | its transfer ms |", "|" + " --- |" * 12]
+    for r in runs:
+        c = r["config"]
+        for cell, t in sorted(r.get("targets", {}).items()):
+            fmt, _, placement = cell.partition("/")
+            name = fmt if placement == "engine" else cell
+            for new, row in sorted(t["concurrency_1"].items(), key=lambda kv: int(kv[0])):
+                arm = r["formats"][fmt]["concurrency_1"][new].get(f"{placement}/w{row['best_width']}", {})
+                if "release_ms" not in arm:
+                    continue
+                limit = max(row["compute_ms"], row["transfer_ms"])
+                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {name} | {new} | "
+                           f"{row['compute_ms']:.1f} | {row['transfer_ms']:.1f} | w{row['best_width']} | "
+                           f"{row['best_ttft_ms']:.1f} | {row['best_ttft_ms'] - limit:+.2f} | "
+                           f"{arm['release_ms']['median']:.2f} | {arm['transfer_ms']['median']:.1f} |")
     return out
 
 
@@ -160,6 +185,8 @@ def main() -> int:
     text = "\n".join(["Each cell's run (shape, prefix, engine loop: commit on GPU):", "",
                       *(f"- {c}" for c in commits), "",
                       "## One request: % of the overlap ceiling", "", *ceiling_rows(runs), "",
+                      "## One request, best fixed width: first-token time beyond perfect overlap (medians)", "",
+                      *overlap_rows(runs), "",
                       "## Requests arriving together (256 new tokens each): mean first-token time against chunk-major",
                       "", *concurrency_rows(runs), "",
                       "## A spinning engine thread: load completion (engine placement, one request)", "",

@@ -55,3 +55,15 @@ def test_the_engine_threads_timeline_splits_into_layer_0_its_waits_and_its_launc
     # waits 1.0-1.5 (layer 0), launches to 2.5, waits 2.5-2.6, launches to the last wait's end (not counted)
     marks = {"cpu_wait_from": [1.0, 2.5], "cpu_usable": [1.5, 2.6]}
     assert ttft_sweep_table.engine_thread_parts(marks) == pytest.approx((1.5, 0.6, 1.0))
+
+
+def test_a_cells_time_beyond_perfect_overlap_is_its_best_width_over_the_longer_of_compute_and_transfer() -> None:
+    import ttft_sweep_table
+
+    run = {"config": {"shape": "s", "prefix_tokens": 4096, "engine_loop": "sleep"},
+           "targets": {"vllm-LBNHC/engine": {"concurrency_1": {"128": {
+               "compute_ms": 10.0, "transfer_ms": 4.0, "best_width": 1, "best_ttft_ms": 12.5}}}},
+           "formats": {"vllm-LBNHC": {"concurrency_1": {"128": {"engine/w1": {
+               "release_ms": {"median": 1.25}, "transfer_ms": {"median": 4.5}}}}}}}
+    header, rule, row = ttft_sweep_table.overlap_rows([run])
+    assert row == "| s | 4096 | sleep | vllm-LBNHC | 128 | 10.0 | 4.0 | w1 | 12.5 | +2.50 | 1.25 | 4.5 |"
