@@ -26,22 +26,27 @@ def pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
 
-def cells(runs: list[dict[str, Any]], section: str) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any]]]:
-    """(run config, format, row key, row) of every format's ``section`` of the targets (``concurrency_1``: rows by
-    new tokens; ``concurrency``: by requests), in order. A placement other than ``engine`` is named with the
-    format (``vllm-LBNHC/engine-priohigh``)."""
+def cells(runs: list[dict[str, Any]], section: str) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any],
+                                                                      dict[str, Any]]]:
+    """(run config, format, row key, row, arms) of every format's ``section`` of the targets (``concurrency_1``: rows
+    by new tokens; ``concurrency``: by requests), in order. A placement other than ``engine`` is named with the
+    format (``vllm-LBNHC/engine-priohigh``). ``arms``: that placement's measured arms of the row, by width
+    (``w4``, ``chunk``)."""
     for r in runs:
         for cell, t in sorted(r.get("targets", {}).items()):
             fmt, _, placement = cell.partition("/")
             name = fmt if placement == "engine" else cell
+            measured = r["formats"].get(fmt, {}).get(section, {})
             for key, row in sorted(t[section].items(), key=lambda kv: int(kv[0])):
-                yield r["config"], name, key, row
+                arms = {arm.partition("/")[2]: stats for arm, stats in measured.get(key, {}).items()
+                        if arm.partition("/")[0] == placement}
+                yield r["config"], name, key, row, arms
 
 
 def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| shape | prefix | loop | format | new | chunk-major ms | best fixed | ms | % of ceiling | auto (widths) ms "
            "| auto % of ceiling | auto vs best |", "|" + " --- |" * 12]
-    for c, fmt, new, row in cells(runs, "concurrency_1"):
+    for c, fmt, new, row, _ in cells(runs, "concurrency_1"):
         auto = "" if "auto_ttft_ms" not in row else f"{row['auto_ttft_ms']:.1f} ({row.get('auto_widths')})"
         auto_share = row.get("auto_fraction_of_ceiling")
         auto_share_text = "" if auto_share is None else f"{100 * auto_share:.0f}%"
@@ -55,24 +60,19 @@ def ceiling_rows(runs: list[dict[str, Any]]) -> list[str]:
 def overlap_rows(runs: list[dict[str, Any]]) -> list[str]:
     """Each one-request cell's best fixed width against perfect overlap: its first-token time beyond the longer of
     compute alone and chunk-major's transfer (what no width can beat), next to when its request was released
-    after submit and when its own transfer completed (medians). A cell short of the ceiling is short by that
-    first column; the release says how much of it passed before the engine could start."""
+    after submit and when its own transfer completed (medians). A cell short of the ceiling is short by its
+    "beyond overlap" column; the release says how much of that passed before the engine could start."""
     out = ["| shape | prefix | loop | format | new | compute alone ms | chunk-major transfer ms | best fixed | ms "
            "| beyond overlap ms | released after submit ms | its transfer ms |", "|" + " --- |" * 12]
-    for r in runs:
-        c = r["config"]
-        for cell, t in sorted(r.get("targets", {}).items()):
-            fmt, _, placement = cell.partition("/")
-            name = fmt if placement == "engine" else cell
-            for new, row in sorted(t["concurrency_1"].items(), key=lambda kv: int(kv[0])):
-                arm = r["formats"][fmt]["concurrency_1"][new].get(f"{placement}/w{row['best_width']}", {})
-                if "release_ms" not in arm:
-                    continue
-                limit = max(row["compute_ms"], row["transfer_ms"])
-                out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {name} | {new} | "
-                           f"{row['compute_ms']:.1f} | {row['transfer_ms']:.1f} | w{row['best_width']} | "
-                           f"{row['best_ttft_ms']:.1f} | {row['best_ttft_ms'] - limit:+.2f} | "
-                           f"{arm['release_ms']['median']:.2f} | {arm['transfer_ms']['median']:.1f} |")
+    for c, fmt, new, row, arms in cells(runs, "concurrency_1"):
+        arm = arms.get(f"w{row['best_width']}", {})
+        if "release_ms" not in arm:
+            continue
+        limit = max(row["compute_ms"], row["transfer_ms"])
+        out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {new} | "
+                   f"{row['compute_ms']:.1f} | {row['transfer_ms']:.1f} | w{row['best_width']} | "
+                   f"{row['best_ttft_ms']:.1f} | {row['best_ttft_ms'] - limit:+.2f} | "
+                   f"{arm['release_ms']['median']:.2f} | {arm['transfer_ms']['median']:.1f} |")
     return out
 
 
@@ -81,7 +81,7 @@ def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
            "| never worse | auto: mean change | auto never worse | no transfer at all: mean change "
            "| layer-major served one after another: mean change |",
            "|" + " --- |" * 12]
-    for c, fmt, conc, row in cells(runs, "concurrency"):
+    for c, fmt, conc, row, _ in cells(runs, "concurrency"):
         out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
                    f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
                    f"{pct(row['mean_change'])} (w{row['best_width']}) | {row['never_worse']} | "

@@ -220,7 +220,6 @@ class _ProgramCopier(_GatedCopier):
         return completions
 
 
-
 @pytest.mark.parametrize("width", [0, 4])
 def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release_waits_for_the_whole_first_slice(
         client, width):
@@ -291,7 +290,6 @@ class _ThreadRecordingCopier(_GatedCopier):
         return super().mark_slice(executor)
 
 
-
 def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_thread(client):
     """Two loads located by their LOOKUPs: the first is planned by the engine's thread at submit; the second,
     submitted while the first's copies have not landed, by the enqueue thread (the engine's thread goes back to
@@ -355,7 +353,6 @@ class _WaitRecordingCopier(_ThreadRecordingCopier):
         if last_completion is not None:
             self.steps.append(("wait", threading.current_thread().name, self.completions.index(last_completion)))
         super().finish(last_completion)
-
 
 
 def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to_the_lead(client):
