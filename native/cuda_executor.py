@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import logging
 import math
+import operator
 import struct
 import threading
 import time
@@ -54,8 +55,7 @@ from kvstrata.core.store.l1_store import span_view
 from kvstrata.core.transfer.layouts import LayoutError, PagedKVLayout
 from kvstrata.core.transfer.planner import ChunkCopy, TransferJob
 from kvstrata.native.host_pinning import PoolPinning, pinned_device_pointer
-from kvstrata.native.load_issuer import (OP_COPY, OP_MARK, OP_MEMCPY2D, OP_RECORD_EVENT, OP_WAIT_EVENT, IssuedSlice,
-                                         LoadIssuer)
+from kvstrata.native.load_issuer import IssuedSlice, LoadIssuer
 
 log = logging.getLogger(__name__)
 
@@ -821,9 +821,10 @@ class CudaExecutor:
         layer_count)`` slice, each followed by a record of its event (a raw handle) and a mark; returns the marks'
         cells (see :class:`~kvstrata.native.load_issuer.IssuedSlice`).
 
-        In staged mode the ops :meth:`scatter` would record slice by slice are written straight into one part of
-        the program, a few integer operations per staging piece, not a planned call per op. Elsewhere (kernel mode,
-        hybrid layouts, direct copies) slice by slice."""
+        In staged mode the ops :meth:`scatter` would record slice by slice are written natively into one part of
+        the program (the extension's ``write_staged_slices``, ``native/csrc/staged_slices.h``): the host works
+        out each piece size's token table and copy-engine jobs once, and the load's slice count costs it nothing
+        more. Elsewhere (kernel mode, hybrid layouts, direct copies) slice by slice."""
         e, lay, issuer = self.engine, self.engine.layout, self.engine.ext
         kernel_s = e.stream.cuda_stream
         if (e.config.mode != "staged" or lay.is_hybrid or not job.copies
@@ -836,42 +837,43 @@ class CudaExecutor:
             return cells
         n_tok = self._bind(job)
         per_layer = lay.kv_size * n_tok * e.row_bytes
-        copy_s = e.copy_stream.cuda_stream
-        pieces = [self._pieces(start, count, per_layer) for start, count in slices]
-        counts = sorted({count for piece in pieces for _, count in piece})
-        tables = {count: self._table(job, 0, count) for count in counts}  # recorded before the scatters read them
-        # the scatter launch's arguments (see _launch) after its staging address, up to its layer offset, and after
-        scatter_head = (OP_COPY, 18, 1, e.planes.data_ptr())
-        scatter_shape = (n_tok, lay.kv_size, lay.num_layers)
-        scatter_tail = (e.row_bytes, lay.head_bytes, lay.head_stride)
-        words: list[int] = []
-        marks_at: list[int] = []
+        cap = max(1, e.config.staging_bytes // max(per_layer, 1))
+        slice_counts = set(map(operator.itemgetter(1), slices))  # at C speed: a load may have 80 slices
+        counts = sorted({n for count in slice_counts for n in (min(count, cap), count % cap if count > cap else 0)
+                         if n})
+        tables = [self._table(job, 0, count) for count in counts]  # recorded before the scatters read them
+        kinds, job_rows = [], []
+        for count, (table, vec) in zip(counts, tables):
+            template, shift = self._dma_template(job, count, to_device=True)
+            rows = np.empty((1 if isinstance(template, tuple) else len(template), 7), dtype=np.int64)
+            rows[:, :6], rows[:, 6] = template, shift
+            kinds.append((count, table, vec, sum(len(r) for r in job_rows), len(rows)))
+            job_rows.append(rows)
+        slice_words = np.column_stack((np.asarray(slices, dtype=np.int64).reshape(-1, 2),
+                                       np.asarray(events, dtype=np.int64)))
+        longest = max(len(r) for r in job_rows)
+        pieces = len(slices) * -(-max(slice_counts) // cap)  # at most
+        out = np.empty(pieces * (40 + 6 * longest) + 7 * len(slices), dtype=np.int64)
+        marks_at = np.empty(len(slices), dtype=np.int64)
+        kinds_words, jobs_words = np.asarray(kinds, dtype=np.int64), np.concatenate(job_rows)
+        launch = np.asarray((e.copy_stream.cuda_stream, e.stream.cuda_stream, e.planes.data_ptr(), n_tok,
+                             lay.kv_size, lay.num_layers, e.row_bytes, lay.head_bytes, lay.head_stride,
+                             e.max_ctas, e.index), dtype=np.int64)
         with e._stage_lock:
             n_buffers = len(e._used)
-            stages = [e.staging(b, per_layer * counts[-1]).data_ptr() for b in range(n_buffers)]
-            for piece, event in zip(pieces, events):
-                for first, count in piece:
-                    b = e._piece % n_buffers
-                    e._piece += 1
-                    jobs = self._piece_rows(job, first, count, stages[b], to_device=True)
-                    rows, n_rows = (jobs, 1) if isinstance(jobs, tuple) else (jobs.ravel().tolist(), len(jobs))
-                    if e._used[b]:  # the copy stream waits until whatever used this buffer last is done
-                        words += (OP_WAIT_EVENT, 2, copy_s, e._idle_h[b])
-                    words += (OP_MEMCPY2D, 2 + 6 * n_rows, copy_s, n_rows)
-                    words += rows
-                    words += (OP_RECORD_EVENT, 2, e._filled_h[b], copy_s, OP_WAIT_EVENT, 2, kernel_s, e._filled_h[b])
-                    table, vec = tables[count]
-                    words += scatter_head
-                    words += (table, stages[b])
-                    words += scatter_shape
-                    words += (first, count, count, 0)
-                    words += scatter_tail
-                    words += (vec, e.max_ctas, e.index, kernel_s, OP_RECORD_EVENT, 2, e._idle_h[b], kernel_s)
-                    e._used[b] = True
-                words += (OP_RECORD_EVENT, 2, event, kernel_s)
-                marks_at.append(len(words))
-                words += (OP_MARK, 1, 0)
-        return issuer.record_ops(np.asarray(words, dtype=np.int64), marks_at)
+            buffers = np.asarray([(e.staging(b, per_layer * counts[-1]).data_ptr(), e._filled_h[b],
+                                   e._idle_h[b], e._used[b]) for b in range(n_buffers)], dtype=np.int64)
+            try:
+                words, written = issuer.write_staged_slices(
+                    slice_words.ctypes.data, len(slices), cap, kinds_words.ctypes.data, len(kinds),
+                    jobs_words.ctypes.data, buffers.ctypes.data, n_buffers, e._piece % n_buffers,
+                    launch.ctypes.data, out.ctypes.data, len(out), marks_at.ctypes.data)
+            except BaseException:
+                e._used = [True] * n_buffers  # some may be marked: waiting for an idle buffer costs nothing
+                raise
+            e._piece += written
+            e._used = [bool(used) for used in buffers[:, 3]]
+            return issuer.record_ops(out[:words], marks_at.tolist())
 
     def _gather_staged(self, job: TransferJob) -> None:
         """Engine -> staging (kernel stream) -> pinned L1 (copy stream), double-buffered across calls.

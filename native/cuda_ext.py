@@ -24,8 +24,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "kernels.cu", "load_issuer.cpp")
-HEADERS = ("kvstrata_cuda.h", "load_issuer.h")
+SOURCES = ("binding.cpp", "kernels.cu", "load_issuer.cpp", "staged_slices.cpp")
+HEADERS = ("kvstrata_cuda.h", "load_issuer.h", "staged_slices.h")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

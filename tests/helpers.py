@@ -9,6 +9,7 @@ import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
 import torch
 
 from kvstrata.core.wire.client import CacheClient
@@ -17,6 +18,7 @@ from kvstrata.core.wire.transport import Client
 from kvstrata.core.store.keys import CacheKey
 from kvstrata.adapters.reference.engine import ModelShape, ReferenceEngine
 from kvstrata.core.engine.placement import Placement
+from kvstrata.core.transfer import planner
 
 if TYPE_CHECKING:
     from kvstrata.core.engine.engine_placement import EnginePlacement
@@ -24,6 +26,28 @@ if TYPE_CHECKING:
     from kvstrata.core.shm import Segment
 
 SMALL_32 = ModelShape(num_layers=32, kv_size=2, num_heads=2, head_size=16, dtype="bfloat16")
+
+T = 64
+"""Tokens per L1 object in the copy-plan tests."""
+
+
+def uneven_job(layout, n_obj: int, skip: int) -> tuple[list[int], planner.TransferJob]:
+    """Objects of T tokens but a short last one, back to back; the first ``skip`` tokens not copied."""
+    tokens = [T] * (n_obj - 1) + [T // 2 + 3]
+    copies = planner.plan_copies(tokens, T, 0, skip)
+    return tokens, planner.TransferJob(layout, [list(range(n_obj * T // 16 + 1))], copies)
+
+
+class RecordingNative:
+    """Stands in for the native issuer thread only (``kvstrata.native.load_issuer``'s ``ext.LoadIssuer``): keeps
+    each submitted program's words, for tests that check what is planned, not how it is issued."""
+
+    def __init__(self, device: int) -> None:
+        self.programs: list[np.ndarray] = []
+
+    def submit(self, address: int, n_words: int) -> None:
+        import ctypes
+        self.programs.append(np.frombuffer((ctypes.c_int64 * n_words).from_address(address), dtype=np.int64).copy())
 
 
 def store_prompt(client: CacheClient, engine: ReferenceEngine, prompt: list[int], instance_id: int = 0) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 class LayerWaitTimeout(TimeoutError):
@@ -54,14 +54,25 @@ class LayerArrivalGate:
 
     def record_slice(self, layer_start: int, layer_count: int, completion: Any = None) -> None:
         """Record that layers [layer_start, layer_start + layer_count) landed (or will, per ``completion``)."""
-        if layer_count <= 0 or layer_start < 0 or layer_start + layer_count > self.num_layers:
-            raise ValueError(f"slice [{layer_start}, {layer_start + layer_count}) is outside {self.num_layers} layers")
+        self.record_slices([(layer_start, layer_count)], [completion])
+
+    def record_slices(self, slices: Sequence[tuple[int, int]], completions: Sequence[Any]) -> None:
+        """:meth:`record_slice` for each ``(layer_start, layer_count)`` and its completion, under one lock and with
+        one wake-up: a load's later slices are planned together, and 80 of them recorded one by one cost its
+        planning more than writing them did. All are checked before any is recorded."""
+        if len(slices) != len(completions):
+            raise ValueError(f"{len(slices)} slices with {len(completions)} completions")
+        for layer_start, layer_count in slices:
+            if layer_count <= 0 or layer_start < 0 or layer_start + layer_count > self.num_layers:
+                raise ValueError(f"slice [{layer_start}, {layer_start + layer_count}) is outside {self.num_layers} "
+                                 "layers")
         with self._cond:
-            s = _Slice(layer_start, layer_count, completion)
-            self._slices.append(s)
-            for layer in range(layer_start, layer_start + layer_count):
-                self._slice_of_layer[layer] = s
-            while self._contiguous < self.num_layers and self._slice_of_layer[self._contiguous] is not None:
+            of_layer = self._slice_of_layer
+            for (layer_start, layer_count), completion in zip(slices, completions):
+                s = _Slice(layer_start, layer_count, completion)
+                self._slices.append(s)
+                of_layer[layer_start:layer_start + layer_count] = [s] * layer_count
+            while self._contiguous < self.num_layers and of_layer[self._contiguous] is not None:
                 self._contiguous += 1
             self._cond.notify_all()
 

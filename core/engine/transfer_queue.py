@@ -468,9 +468,8 @@ class TransferQueue:
                 if load.gate.failure:
                     raise TransferAborted(load.gate.failure)
                 completions = enqueue_slices(load.executor, load.job, later)
-                for (first, layers), done in zip(later, completions):
-                    load.gate.record_slice(first, layers, done)
-                    load.slice_ends.append((first + layers, done))
+                load.gate.record_slices(later, completions)
+                load.slice_ends += [(first + layers, done) for (first, layers), done in zip(later, completions)]
                 load.last_completion = completions[-1]
         except BaseException as exc:  # noqa: BLE001 - every failure is the load's, reported through it
             self._stop(load, exc)

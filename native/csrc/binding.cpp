@@ -14,6 +14,7 @@
 
 #include "kvstrata_cuda.h"
 #include "load_issuer.h"
+#include "staged_slices.h"
 
 namespace py = pybind11;
 
@@ -161,6 +162,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_us"))
       .def("mark_error", &kvstrata::LoadIssuer::mark_error, py::arg("mark"))
       .def("close", &kvstrata::LoadIssuer::close, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "write_staged_slices",
+      [](uintptr_t slices, int64_t n_slices, int64_t layers_per_piece, uintptr_t kinds, int64_t n_kinds,
+         uintptr_t jobs, uintptr_t buffers, int64_t n_buffers, int64_t first_piece, uintptr_t launch, uintptr_t out,
+         int64_t capacity, uintptr_t marks_at) {
+        return kvstrata::write_staged_slices(
+            reinterpret_cast<const int64_t*>(slices), n_slices, layers_per_piece,
+            reinterpret_cast<const int64_t*>(kinds), n_kinds, reinterpret_cast<const int64_t*>(jobs),
+            reinterpret_cast<int64_t*>(buffers), n_buffers, first_piece, reinterpret_cast<const int64_t*>(launch),
+            reinterpret_cast<int64_t*>(out), capacity, reinterpret_cast<int64_t*>(marks_at));
+      },
+      "Write the load issuer's program of a load's staged slices into out (staged_slices.h); returns (words, "
+      "pieces)",
+      py::arg("slices"), py::arg("n_slices"), py::arg("layers_per_piece"), py::arg("kinds"), py::arg("n_kinds"),
+      py::arg("jobs"), py::arg("buffers"), py::arg("n_buffers"), py::arg("first_piece"), py::arg("launch"),
+      py::arg("out"), py::arg("capacity"), py::arg("marks_at"));
   m.def("spin_until_readable", &spin_until_readable,
         "Poll fd without sleeping and without the GIL until readable (True) or max_us passed (False); with "
         "warm_stream, query that CUDA stream every 50 us meanwhile",

@@ -122,3 +122,19 @@ def test_release_waits_until_the_first_slices_bytes_have_landed():
     assert not g.release_ready(landed.get), "layer 1's slice has not landed yet"
     landed["s1"] = True
     assert g.release_ready(landed.get)
+
+
+def test_slices_recorded_together_count_as_recorded_one_by_one_and_a_bad_one_records_none():
+    g = LayerArrivalGate(8)
+    g.record_slice(0, 1, "e0")
+    with pytest.raises(ValueError, match=r"slice \[7, 9\) is outside 8 layers"):
+        g.record_slices([(1, 3), (7, 2)], ["e1", "e7"])
+    with pytest.raises(ValueError, match="2 slices with 1 completions"):
+        g.record_slices([(1, 3), (4, 4)], ["e1"])
+    assert g.arrived_layers == 1, "nothing of a refused batch is recorded"
+    g.record_slices([(4, 4), (1, 3)], ["e4", "e1"])  # out of order, as a shared-tier fill may land them
+    assert g.arrived_layers == 8 and g.complete
+    handed = []
+    for layer in range(8):
+        g.wait_for_layer(layer, 60, on_completion=handed.append)
+    assert handed == ["e0", "e1", "e4"]

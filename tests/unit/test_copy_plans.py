@@ -4,14 +4,12 @@ A staged piece's host<->staging copy is planned once per transfer and shifted pe
 piece; for objects back to back in the pool it is one packed 2D job. Both must
 give exactly the jobs the general planner (``plan_dma`` over every (object, plane)
 range) gives, also where copies are parts of objects or objects differ in size.
-A load's slices after its first are written into one program at once
-(``scatter_slices``): the ops must be exactly those of planning it slice by slice.
+(That a load's slices written into one program at once are the ops of planning them slice by slice needs the
+extension's writer: ``tests/gpu/test_gpu_staged_slices.py``.)
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 import types
 
 import numpy as np
@@ -19,13 +17,10 @@ import pytest
 
 from kvstrata.core.transfer import planner
 from kvstrata.adapters.reference.engine import ReferenceEngine
-from kvstrata.native.cuda_executor import CudaExecutor, CudaTransferConfig, CudaTransferEngine, plan_dma
+from kvstrata.native.cuda_executor import CudaExecutor, plan_dma
 from kvstrata.native.load_issuer import LoadIssuer
 
-from helpers import SMALL_32
-
-T = 64  # tokens per object
-
+from helpers import SMALL_32, T, RecordingNative, uneven_job
 
 def stand_in_engine(layout):
     row = np.zeros(6, dtype=np.int64)
@@ -79,13 +74,6 @@ def test_piece_jobs_equal_the_general_plan(gap: int, to_device: bool) -> None:
         cache.close()
 
 
-def uneven_job(layout, n_obj: int, skip: int):
-    """Objects of T tokens but a short last one, back to back; the first ``skip`` tokens not copied."""
-    tokens = [T] * (n_obj - 1) + [T // 2 + 3]
-    copies = planner.plan_copies(tokens, T, 0, skip)
-    return tokens, planner.TransferJob(layout, [list(range(n_obj * T // 16 + 1))], copies)
-
-
 @pytest.mark.parametrize("to_device", [True, False], ids=["retrieve", "store"])
 @pytest.mark.parametrize("skip", [0, 20], ids=["whole-first", "part-of-first"])
 def test_piece_jobs_of_uneven_copies_equal_the_general_plan(to_device: bool, skip: int) -> None:
@@ -112,94 +100,6 @@ def test_piece_jobs_of_uneven_copies_equal_the_general_plan(to_device: bool, ski
 def sorted_jobs(jobs: np.ndarray) -> np.ndarray:
     """Jobs in address order (the template folds each object size on its own, so its order may differ)."""
     return jobs[np.lexsort((jobs[:, 2], jobs[:, 0]))]
-
-
-class RecordingNative:
-    """Stands in for the native issuer thread only: keeps each submitted program's words (this test checks what
-    is planned, not how it is issued)."""
-
-    def __init__(self, device: int) -> None:
-        self.programs: list[np.ndarray] = []
-
-    def submit(self, address: int, n_words: int) -> None:
-        import ctypes
-        self.programs.append(np.frombuffer((ctypes.c_int64 * n_words).from_address(address), dtype=np.int64).copy())
-
-
-class Buffer:
-    def __init__(self, address: int) -> None:
-        self.address = address
-
-    def data_ptr(self) -> int:
-        return self.address
-
-
-def staged_engine(layout, staging_bytes: int):
-    """The engine state a staged executor reads and writes, with every address a plain number."""
-    row = np.zeros(6, dtype=np.int64)
-    issuer = LoadIssuer(types.SimpleNamespace(LoadIssuer=RecordingNative), 0)
-    tables = {}
-
-    def build_table(desc, blocks, n_tok):  # a table per distinct request, at an address of its own
-        key = (tuple(desc), tuple(blocks), n_tok)
-        return tables.setdefault(key, (1 << 50) + (len(tables) << 20)), object()
-
-    engine = types.SimpleNamespace(
-        layout=layout, row_bytes=layout.token_bytes_per_layer, _job_row=row, _job_row_addr=row.ctypes.data,
-        config=CudaTransferConfig(staging_bytes=staging_bytes), ext=issuer, copy_planned=issuer.hand_over, index=0,
-        max_ctas=264,
-        stream=types.SimpleNamespace(cuda_stream=11), copy_stream=types.SimpleNamespace(cuda_stream=12),
-        planes=Buffer(1 << 48), layout_vec=16, dense_rows=False, _stage_lock=threading.Lock(), _piece=0,
-        _used=[False, False], _idle_h=[21, 22], _filled_h=[31, 32], build_table=build_table,
-        staging=lambda b, n: Buffer((1 << 46) + (b << 40)))
-    engine.copy_into_staging = functools.partial(CudaTransferEngine.copy_into_staging, engine)  # the engine's own
-    return engine
-
-
-@pytest.mark.parametrize("width", [1, 3, 8])
-@pytest.mark.parametrize("objects", ["back-to-back", "uneven"])
-@pytest.mark.parametrize("staging", ["whole-slices", "split-slices"])
-def test_a_loads_slices_in_one_program_are_the_ops_of_planning_them_one_by_one(width: int, objects: str,
-                                                                                 staging: str) -> None:
-    cache = ReferenceEngine(SMALL_32, num_blocks=64, block_size=16)
-    try:
-        layout = cache.layout
-        if objects == "uneven":
-            tokens, job = uneven_job(layout, 4, 20)
-        else:
-            tokens = [T] * 4
-            job = planner.TransferJob(layout, [list(range(4 * T // 16))], planner.plan_copies(tokens, T, 0, 0))
-        hosts, h = [], 1 << 40
-        for n in tokens:
-            hosts.append(h)
-            h += layout.object_bytes(n)
-        per_layer = layout.kv_size * job.num_tokens * layout.token_bytes_per_layer
-        staging_bytes = per_layer * (width if staging == "whole-slices" else 2)
-        slices = planner.layer_slices(layout.num_layers, width)
-        events = [1000 + i for i in range(len(slices))]
-        programs = []
-        for batched in (False, True):
-            engine = staged_engine(layout, staging_bytes)
-            ex = CudaExecutor(engine, None, addresses=([x + (1 << 44) for x in hosts], hosts, tokens))
-            issuer = engine.ext
-            with issuer.program():  # the first slice, as the queue plans it
-                ex.scatter(job, *slices[0])
-                issuer.event_record(events[0], 11)
-                issuer.mark()
-            with issuer.program():
-                if batched:
-                    cells = ex.scatter_slices(job, slices[1:], events[1:])
-                else:
-                    cells = []
-                    for (start, count), event in zip(slices[1:], events[1:]):
-                        ex.scatter(job, start, count)
-                        issuer.event_record(event, 11)
-                        cells.append(issuer.mark())
-            assert [c[0] for c in cells] == list(range(2, len(slices) + 1))
-            programs.append(np.concatenate(issuer._native.programs))
-        assert programs[0].tolist() == programs[1].tolist()
-    finally:
-        cache.close()
 
 
 def submitted_marks(programs: list[np.ndarray]) -> list[int]:
