@@ -4,8 +4,9 @@ A staged piece's host<->staging copy is planned once per transfer and shifted pe
 piece; for objects back to back in the pool it is one packed 2D job. Both must
 give exactly the jobs the general planner (``plan_dma`` over every (object, plane)
 range) gives, also where copies are parts of objects or objects differ in size.
-(That a load's slices written into one program at once are the ops of planning them slice by slice needs the
-extension's writer: ``tests/gpu/test_gpu_staged_slices.py``.)
+(That a load's slices written into one program at once are the ops of planning them slice by slice is checked
+with the writer's C++: ``test_staged_slices_writer.py`` here, ``tests/gpu/test_gpu_staged_slices.py`` through the
+extension.)
 """
 
 from __future__ import annotations
