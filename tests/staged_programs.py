@@ -105,8 +105,6 @@ def assert_slices_in_one_program_are_planned_one_by_one(write_staged_slices: Cal
         cache.close()
 
 
-
-
 def assert_writer_refuses_what_it_cannot_write(write_staged_slices: Callable[..., tuple[int, int]]) -> None:
     """The writer checks what it is given: a slice past the last layer, a piece size it has no jobs for, or a
     program longer than its buffer is an error naming it, not words written past the end."""
@@ -116,19 +114,17 @@ def assert_writer_refuses_what_it_cannot_write(write_staged_slices: Callable[...
     buffers = np.asarray([[1 << 46, 31, 21, 0], [(1 << 46) + (1 << 40), 32, 22, 0]], dtype=np.int64)
     out, marks = np.zeros(1024, dtype=np.int64), np.zeros(4, dtype=np.int64)
 
-    def write(slices, capacity=len(out)):
+    def write(slices, capacity=len(out), layers_per_piece=1):
         s = np.asarray(slices, dtype=np.int64)
-        return write_staged_slices(s.ctypes.data, len(s), 1, kinds.ctypes.data, len(kinds), jobs.ctypes.data,
-                                   buffers.ctypes.data, 2, 0, launch.ctypes.data, out.ctypes.data, capacity,
-                                   marks.ctypes.data)
+        return write_staged_slices(s.ctypes.data, len(s), layers_per_piece, kinds.ctypes.data, len(kinds),
+                                   jobs.ctypes.data, buffers.ctypes.data, 2, 0, launch.ctypes.data, out.ctypes.data,
+                                   capacity, marks.ctypes.data)
 
     words, written = write([[0, 1, 7], [1, 1, 8]])
     assert written == 2 and marks[:2].tolist() == [words // 2 - 3, words - 3]
     with pytest.raises(ValueError, match=r"slice \[31, 33\) is outside 32 layers"):
         write([[31, 2, 7]])
     with pytest.raises(ValueError, match="no piece kind of 2 layers"):
-        write_staged_slices(np.asarray([[0, 2, 7]], dtype=np.int64).ctypes.data, 1, 4, kinds.ctypes.data, 1,
-                            jobs.ctypes.data, buffers.ctypes.data, 2, 0, launch.ctypes.data, out.ctypes.data,
-                            len(out), marks.ctypes.data)
+        write([[0, 2, 7]], layers_per_piece=4)
     with pytest.raises(ValueError, match="needs more than 10 words"):
         write([[0, 1, 7]], capacity=10)
