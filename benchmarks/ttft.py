@@ -829,29 +829,39 @@ def warm_batch_sizes(rig: FormatRig, client: Any, model: Decoder, max_conc: int,
 
 def served_one_after_another(width: int | None, serial: bool | None) -> bool:
     """Whether an arm's requests are loaded one after another (the next when the one before completed): chunk-major's
-    always, a layer-major width's when ``serial`` says so (``--serial-widths``); None: the width's own order."""
+    unless ``serial`` is False (``--chunk-major-together``), a layer-major width's when ``serial`` says so
+    (``--serial-widths``); None: the width's own order."""
     return width == 0 if serial is None else serial and width is not None
 
 
-def arm_name(placement: str | None, width: int | None, serial: bool | None = False) -> str:
+def arm_name(placement: str | None, width: int | None, serial: bool | None = None) -> str:
     if width is None:
         return "resident"
     name = f"{placement}/" + ("chunk" if width == 0 else "auto" if width == AUTO else f"w{width}")
-    return name + SERIAL_SUFFIX if serial else name
+    if serial:
+        return name + SERIAL_SUFFIX
+    return name + TOGETHER_SUFFIX if serial is False and width == 0 else name
 
 
-def concurrency_arms(placements: list[str], widths: list[int],
-                     serial_widths: list[int]) -> list[tuple[str | None, int | None, bool | None]]:
+def concurrency_arms(placements: list[str], widths: list[int], serial_widths: list[int],
+                     chunk_major_together: bool = False) -> list[tuple[str | None, int | None, bool | None]]:
     """(placement, width, serial) of each arm: resident first, then every placement's widths with ``serial`` None (a
     width's own order: chunk-major's requests one after another, layer-major's together), then the layer-major
-    ``serial_widths`` served one after another (True)."""
+    ``serial_widths`` served one after another (True), then with ``chunk_major_together`` chunk-major's requests
+    submitted together (False)."""
     return ([(None, None, None)] + [(pl, w, None) for pl in placements for w in widths]
-            + [(pl, w, True) for pl in placements for w in serial_widths])
+            + [(pl, w, True) for pl in placements for w in serial_widths]
+            + [(pl, 0, False) for pl in placements if chunk_major_together])
 
 
 SERIAL_SUFFIX = "-serial"
 """An arm of a layer-major width whose requests are served one after another, as chunk-major's are: the next load is
 submitted when the one before completed (``--serial-widths``)."""
+
+TOGETHER_SUFFIX = "-together"
+"""The chunk-major arm whose requests are all submitted at once, as layer-major's are (``--chunk-major-together``):
+the queue still copies them one after another, but the next starts when the one before landed, not when the engine's
+thread next polled and saw it, so the engine finds more requests ready per step."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -868,6 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serial-widths", default="", help="at concurrency > 1, also run these layer-major widths with "
                    "the requests served one after another, as chunk-major's are (what handing the next load to the GPU "
                    "only once the one before landed would do)")
+    p.add_argument("--chunk-major-together", action="store_true", help="at concurrency > 1, also run chunk-major "
+                   "with every request submitted at once (the engine/chunk-together arm), the baseline of the same "
+                   "submission as layer-major's")
     p.add_argument("--concurrency-new", type=int, default=256, help="new tokens per request at concurrency > 1")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency-reps", type=int, default=3)
@@ -971,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "ttft", "device": device_info(),
         "commit": measured_commit(),
-        "config": {"engine_loop": args.engine_loop, "warm_batch_sizes": args.warm_batch_sizes, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths,
+        "config": {"engine_loop": args.engine_loop, "warm_batch_sizes": args.warm_batch_sizes, "prefix_tokens": args.prefix, "new_tokens": news, "formats": formats, "widths": widths, "serial_widths": serial_widths, "chunk_major_together": args.chunk_major_together,
                    "placements": placements, "concurrency": concs, "concurrency_new_tokens": args.concurrency_new,
                    "reps": args.reps, "concurrency_reps": args.concurrency_reps, "chunk": args.chunk,
                    "pool_gib": round(pool_bytes / (1 << 30), 2), "stream_pad": args.stream_pad, "first_use": args.first_use, "gc_collect_before_each_measurement": True,
@@ -1059,7 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
                     if concs and args.warm_batch_sizes == "on":
                         fres["batch_sizes_warmed"] = warm_batch_sizes(rig, client, model, max(concs),
                                                                       args.concurrency_new)
-                    conc_arms = concurrency_arms(placements, widths, serial_widths)
+                    conc_arms = concurrency_arms(placements, widths, serial_widths, args.chunk_major_together)
                     for conc in concs:
                         runs = {arm_name(*arm): [] for arm in conc_arms}
                         for rep in range(args.concurrency_reps):
@@ -1171,6 +1184,14 @@ def evaluate(result: dict[str, Any], placements: list[str], widths: list[int]) -
                         serial_best=name.split("/", 1)[1], serial_mean_ms=best_serial["mean"],
                         serial_p90_ms=best_serial["p90"], serial_mean_change=round(best_serial["mean"] / chunk["mean"] - 1, 4),
                         serial_never_worse=best_serial["mean"] <= chunk["mean"] and best_serial["p90"] <= chunk["p90"])
+                together = arms.get(f"{pl}/chunk{TOGETHER_SUFFIX}")
+                if together:  # the same submission as layer-major's: every request at once
+                    t = together["ttft_ms"]
+                    conc_rows[conc].update(
+                        together_mean_ms=t["mean"], together_p90_ms=t["p90"],
+                        together_mean_change=round(t["mean"] / chunk["mean"] - 1, 4),
+                        best_vs_together_mean_change=round(best["mean"] / t["mean"] - 1, 4),
+                        never_worse_than_together=best["mean"] <= t["mean"] and best["p90"] <= t["p90"])
                 if f"{pl}/auto" in arms:
                     auto = arms[f"{pl}/auto"]["ttft_ms"]
                     conc_rows[conc].update(auto_mean_ms=auto["mean"], auto_p90_ms=auto["p90"],

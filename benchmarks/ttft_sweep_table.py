@@ -79,8 +79,9 @@ def overlap_rows(runs: list[dict[str, Any]]) -> list[str]:
 def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| shape | prefix | loop | format | requests | chunk-major mean / p90 ms | best fixed: mean change "
            "| never worse | auto: mean change | auto never worse | no transfer at all: mean change "
-           "| layer-major served one after another: mean change |",
-           "|" + " --- |" * 12]
+           "| layer-major served one after another: mean change "
+           "| chunk-major submitted together: mean change | best fixed against it | never worse than it |",
+           "|" + " --- |" * 15]
     for c, fmt, conc, row, _ in cells(runs, "concurrency"):
         out.append(f"| {c['shape']} | {c['prefix_tokens']} | {c['engine_loop']} | {fmt} | {conc} | "
                    f"{row['chunk_major_mean_ms']:.1f} / {row['chunk_major_p90_ms']:.1f} | "
@@ -88,7 +89,9 @@ def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
                    f"{pct(row.get('auto_mean_change'))} | {row.get('auto_never_worse', '')} | "
                    f"{pct(row.get('resident_mean_change'))} | "
                    + (f"{pct(row['serial_mean_change'])} ({row['serial_best']}) |" if "serial_mean_change" in row
-                      else " |"))
+                      else " |")
+                   + (f" {pct(row['together_mean_change'])} | {pct(row['best_vs_together_mean_change'])} | "
+                      f"{row['never_worse_than_together']} |" if "together_mean_change" in row else " | | |"))
     return out
 
 

@@ -42,6 +42,22 @@ def test_chunk_major_is_served_one_request_after_another_at_concurrency_and_a_la
                       "engine/w4-serial": True}
 
 
+def test_chunk_major_together_is_its_own_arm_submitted_at_once_and_judged_beside_the_serial_baseline() -> None:
+    arms = ttft.concurrency_arms(["engine"], [0, 4], [], chunk_major_together=True)
+    served = {ttft.arm_name(pl, w, serial): ttft.served_one_after_another(w, serial) for pl, w, serial in arms}
+    assert served == {"resident": False, "engine/chunk": True, "engine/w4": False, "engine/chunk-together": False}
+    arms_measured = {"resident": {"ttft_ms": {"mean": 130.0, "p90": 150.0}},
+                     "engine/chunk": {"ttft_ms": {"mean": 100.0, "p90": 120.0}},
+                     "engine/chunk-together": {"ttft_ms": {"mean": 125.0, "p90": 140.0}},
+                     "engine/w4": {"ttft_ms": {"mean": 110.0, "p90": 150.0}}}
+    result = {"formats": {"vllm-LBNHC": {"concurrency": {"4": arms_measured}}}}
+    row = ttft.evaluate(result, ["engine"], [0, 4])["vllm-LBNHC/engine"]["concurrency"]["4"]
+    assert row["never_worse"] is False and row["mean_change"] == pytest.approx(0.10)
+    assert row["together_mean_change"] == pytest.approx(0.25)
+    assert row["best_vs_together_mean_change"] == pytest.approx(-0.12)
+    assert row["never_worse_than_together"] is False  # its p90 (150) is above the together arm's (140)
+
+
 def test_a_timeline_splits_into_layer_0_the_layers_compute_and_the_waits_between_them() -> None:
     import ttft_sweep_table
 
