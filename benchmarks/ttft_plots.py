@@ -13,9 +13,10 @@ import os
 from typing import Any
 
 
-def _best(arms: dict[str, Any], placement: str, stat: str) -> tuple[str, float] | None:
+def _best(arms: dict[str, Any], placement: str, stat: str, serial: bool = False) -> tuple[str, float] | None:
+    """The fastest fixed layer-major width's arm (``serial``: of those served one request after another)."""
     cands = [(name, a["ttft_ms"][stat]) for name, a in arms.items()
-             if name.startswith(placement + "/w") and not name.endswith("-serial")]
+             if name.startswith(placement + "/w") and name.endswith("-serial") == serial]
     return min(cands, key=lambda c: c[1]) if cands else None
 
 
@@ -64,13 +65,19 @@ def draw(path: str) -> list[str]:
         groups = [(f"c=1, {n} new", arms, "median") for n, arms in fres.get("concurrency_1", {}).items()]
         groups += [(f"c={c}, {result['config']['concurrency_new_tokens']} new", arms, "mean")
                    for c, arms in fres.get("concurrency", {}).items()]
-        series = ["resident"] + [f"{pl}/{kind}" for pl in placements for kind in ("chunk", "best")]
+        # the arms a run has only where asked for (--chunk-major-together, --serial-widths) appear where it has them
+        present = {name for _, arms, _ in groups for name in arms}
+        series = ["resident"] + [f"{pl}/{kind}" for pl in placements for kind in ("chunk", "chunk-together", "best",
+                                                                                   "best-serial")
+                                 if not kind.endswith("-together") or f"{pl}/chunk-together" in present
+                                 if kind != "best-serial" or any(n.startswith(f"{pl}/w") and n.endswith("-serial")
+                                                                 for n in present)]
         width = 0.8 / len(series)
         for si, sname in enumerate(series):
             xs, ys, labels = [], [], []
             for gi, (_, arms, stat) in enumerate(groups):
-                if sname.endswith("/best"):
-                    best = _best(arms, sname.split("/")[0], stat)
+                if "/best" in sname:
+                    best = _best(arms, sname.split("/")[0], stat, serial=sname.endswith("-serial"))
                     if best is None:
                         continue
                     label, value = best
@@ -82,7 +89,7 @@ def draw(path: str) -> list[str]:
                 ys.append(value)
                 labels.append(label.split("/")[-1])
             bars = ax.bar(xs, ys, width, label=sname.replace("best", "best width"))
-            if sname.endswith("/best"):
+            if "/best" in sname:
                 for bar, lab in zip(bars, labels):
                     ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                                 va="bottom", fontsize=6)
