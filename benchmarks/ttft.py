@@ -27,7 +27,9 @@ context are time-sliced against that compute. This benchmark runs the compute.
 * Concurrency c: c requests arrive together, each with its own prefix. The engine's loop is shaped like
   vLLM's: each step runs one prefill of the requests released since the last step, waiting per layer for
   every released transfer still in flight. Chunk-major serves its transfers one request after another (its
-  best order: the next starts when the previous one completed). Before the concurrency arms, one step of every
+  best order: the next starts when the engine's thread saw the previous one complete, so about one a step);
+  ``--chunk-major-together`` adds chunk-major with every request submitted at once, as layer-major's are, and
+  ``--serial-widths`` layer-major widths served one after another. Before the concurrency arms, one step of every
   batch size up to the highest concurrency runs once (``--warm-batch-sizes``), as in an engine that has served
   a while: PyTorch loads kernels on first launch, and a load waits for everything queued on the GPU.
 
