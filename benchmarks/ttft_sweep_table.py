@@ -1,4 +1,5 @@
-"""The tables of a ``benchmarks/ttft_sweep.sh`` run: every cell's share of the overlap ceiling, how far its best
+"""The tables of a ``benchmarks/ttft_sweep.sh`` run: the issue's targets counted over its cells, every cell's share
+of the overlap ceiling, how far its best
 width is from perfect overlap, concurrency against chunk-major, what a spinning engine thread does to a load's
 completion, and where a load's time goes.
 
@@ -95,13 +96,18 @@ def concurrency_rows(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
-    """Median transfer time of each engine arm with the engine's thread spinning against sleeping."""
+def one_request_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of one request only: a concurrency run's own one-request cell has fewer widths and repetitions."""
+    return [r for r in runs if not r["config"].get("concurrency")]
+
+
+def spin_changes(runs: list[dict[str, Any]]) -> Iterator[tuple[str, int, str, str, str, float, float]]:
+    """(shape, prefix, format, new tokens, arm, median transfer ms sleeping, spinning) of every engine arm measured
+    with both engine loops in one-request runs of one commit."""
     by_cell: dict[tuple, dict[str, Any]] = {}
-    for r in runs:
+    for r in one_request_runs(runs):
         c = r["config"]
         by_cell.setdefault((c["shape"], c["prefix_tokens"]), {})[c["engine_loop"]] = r
-    out = ["| shape | prefix | format | new | arm | transfer ms, sleep | spin | change |", "|" + " --- |" * 8]
     for (shape, prefix), loops in sorted(by_cell.items()):
         if not {"sleep", "spin"} <= set(loops) or loops["sleep"].get("commit") != loops["spin"].get("commit"):
             continue  # a comparison within one commit's code only
@@ -112,9 +118,55 @@ def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
                     other = spun.get("concurrency_1", {}).get(new, {}).get(arm)
                     if "transfer_ms" not in stats or not other:
                         continue
-                    a, b = stats["transfer_ms"]["median"], other["transfer_ms"]["median"]
-                    out.append(f"| {shape} | {prefix} | {fmt} | {new} | {arm} | {a:.2f} | {b:.2f} | {pct(b / a - 1)} |")
+                    yield shape, prefix, fmt, new, arm, stats["transfer_ms"]["median"], other["transfer_ms"]["median"]
+
+
+def spin_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """Median transfer time of each engine arm with the engine's thread spinning against sleeping."""
+    out = ["| shape | prefix | format | new | arm | transfer ms, sleep | spin | change |", "|" + " --- |" * 8]
+    for shape, prefix, fmt, new, arm, a, b in spin_changes(runs):
+        out.append(f"| {shape} | {prefix} | {fmt} | {new} | {arm} | {a:.2f} | {b:.2f} | {pct(b / a - 1)} |")
     return out
+
+
+LONG_PREFIX = 16384
+"""The issue's "16k tokens or more"."""
+
+
+def target_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets counted over this sweep's cells: how many cells meet each, and the range of the figure.
+    One-request targets count the one-request runs only."""
+    one = [(c["prefix_tokens"], r) for c, _, _, r, _ in cells(one_request_runs(runs), "concurrency_1")]
+    conc = [(c["prefix_tokens"], requests, r) for c, _, requests, r, _ in cells(runs, "concurrency")]
+    spins = [b / a - 1 for *_, a, b in spin_changes(runs)]
+
+    def row(target: str, values: list[float], met: list[bool], fmt: str) -> str:
+        if not values:
+            return f"| {target} | 0 | | |"
+        return f"| {target} | {len(values)} | {sum(met)} | {fmt.format(min(values))} to {fmt.format(max(values))} |"
+
+    long_one = [r for prefix, r in one if prefix >= LONG_PREFIX]
+    short_one = [r for prefix, r in one if prefix < LONG_PREFIX]
+    autos = [r for _, r in one if "auto_vs_best_fixed" in r]
+    every_conc = [r for _, _, r in conc]
+    four_long = [r for prefix, requests, r in conc if prefix >= LONG_PREFIX and requests == "4"]
+    together = [r for r in every_conc if "never_worse_than_together" in r]
+    return ["| target | cells | met | figure, lowest to highest |", "|" + " --- |" * 4,
+            row("one request, 16k tokens or more: 85% of the ceiling", [r["fraction_of_ceiling"] for r in long_one],
+                [r["fraction_of_ceiling"] >= 0.85 for r in long_one], "{:.0%}"),
+            row("one request, shorter: 70% of the ceiling", [r["fraction_of_ceiling"] for r in short_one],
+                [r["fraction_of_ceiling"] >= 0.70 for r in short_one], "{:.0%}"),
+            row("auto within 3% of the best fixed width", [r["auto_vs_best_fixed"] for r in autos],
+                [r["auto_vs_best_fixed"] <= 0.03 for r in autos], "{:+.1%}"),
+            row("2-16 requests: best fixed width never worse than chunk-major served one after another (mean change)",
+                [r["mean_change"] for r in every_conc], [r["never_worse"] for r in every_conc], "{:+.1%}"),
+            row("the same, against chunk-major submitted together (where measured)",
+                [r["best_vs_together_mean_change"] for r in together], [r["never_worse_than_together"] for r in together],
+                "{:+.1%}"),
+            row("4 requests, 16k tokens or more: 20% lower mean", [r["mean_change"] for r in four_long],
+                [r["mean_change"] <= -0.20 for r in four_long], "{:+.1%}"),
+            row("a spinning engine thread moves a load's completion by at most 10%", spins,
+                [abs(x) <= 0.10 for x in spins], "{:+.1%}")]
 
 
 def timeline_cells(runs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -187,6 +239,7 @@ def main() -> int:
                       f"{r.get('commit')} on {r.get('device', {}).get('gpu', '?')}" for r in runs})
     text = "\n".join(["Each cell's run (shape, prefix, engine loop: commit on GPU):", "",
                       *(f"- {c}" for c in commits), "",
+                      "## The targets, counted over these cells", "", *target_rows(runs), "",
                       "## One request: % of the overlap ceiling", "", *ceiling_rows(runs), "",
                       "## One request, best fixed width: first-token time beyond perfect overlap (medians)", "",
                       *overlap_rows(runs), "",

@@ -83,3 +83,37 @@ def test_a_cells_time_beyond_perfect_overlap_is_its_best_width_over_the_longer_o
                "release_ms": {"median": 1.25}, "transfer_ms": {"median": 4.5}}}}}}}
     header, rule, row = ttft_sweep_table.overlap_rows([run])
     assert row == "| s | 4096 | sleep | vllm-LBNHC | 128 | 10.0 | 4.0 | w1 | 12.5 | +2.50 | 1.25 | 4.5 |"
+
+
+def test_the_targets_are_counted_over_one_request_runs_by_prefix_and_over_each_concurrency_cell() -> None:
+    import ttft_sweep_table
+
+    def one_request(prefix: int, loop: str, share: float, auto: float, transfer: float) -> dict:
+        return {"config": {"shape": "s", "prefix_tokens": prefix, "engine_loop": loop, "concurrency": []},
+                "commit": "c",
+                "targets": {"vllm-LBNHC/engine": {"concurrency_1": {"128": {
+                    "fraction_of_ceiling": share, "auto_vs_best_fixed": auto}}, "concurrency": {}}},
+                "formats": {"vllm-LBNHC": {"concurrency_1": {"128": {"engine/w1": {
+                    "transfer_ms": {"median": transfer}}}}}}}
+
+    concurrency = {"config": {"shape": "s", "prefix_tokens": 30720, "engine_loop": "sleep", "concurrency": [2, 4]},
+                   "targets": {"vllm-LBNHC/engine": {
+                       # its own one-request cell (fewer widths) is not counted with the one-request runs
+                       "concurrency_1": {"128": {"fraction_of_ceiling": 0.1, "auto_vs_best_fixed": 0.5}},
+                       "concurrency": {"2": {"mean_change": -0.3, "never_worse": True},
+                                       "4": {"mean_change": 0.05, "never_worse": False,
+                                             "best_vs_together_mean_change": -0.02,
+                                             "never_worse_than_together": True}}}},
+                   "formats": {}}
+    runs = [one_request(30720, "sleep", 0.90, 0.01, 10.0), one_request(30720, "spin", 0.80, 0.04, 11.5),
+            one_request(4096, "sleep", 0.75, -0.02, 4.0), concurrency]
+    rows = ttft_sweep_table.target_rows(runs)[2:]
+    assert rows == [
+        "| one request, 16k tokens or more: 85% of the ceiling | 2 | 1 | 80% to 90% |",
+        "| one request, shorter: 70% of the ceiling | 1 | 1 | 75% to 75% |",
+        "| auto within 3% of the best fixed width | 3 | 2 | -2.0% to +4.0% |",
+        "| 2-16 requests: best fixed width never worse than chunk-major served one after another (mean change) | 2 | 1 "
+        "| -30.0% to +5.0% |",
+        "| the same, against chunk-major submitted together (where measured) | 1 | 1 | -2.0% to -2.0% |",
+        "| 4 requests, 16k tokens or more: 20% lower mean | 1 | 0 | +5.0% to +5.0% |",
+        "| a spinning engine thread moves a load's completion by at most 10% | 1 | 0 | +15.0% to +15.0% |"]
