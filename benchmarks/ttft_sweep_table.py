@@ -1,7 +1,6 @@
 """The tables of a ``benchmarks/ttft_sweep.sh`` run: the issue's targets counted over its cells, every cell's share
-of the overlap ceiling, how far its best
-width is from perfect overlap, concurrency against chunk-major, what a spinning engine thread does to a load's
-completion, and where a load's time goes.
+of the overlap ceiling, how far its best width is from perfect overlap, concurrency against chunk-major, what a
+spinning engine thread does to a load's completion, and where a load's time goes.
 
     python benchmarks/ttft_sweep_table.py DIR [--out DIR/table.md]
 """
