@@ -65,13 +65,14 @@ def draw(path: str) -> list[str]:
         groups = [(f"c=1, {n} new", arms, "median") for n, arms in fres.get("concurrency_1", {}).items()]
         groups += [(f"c={c}, {result['config']['concurrency_new_tokens']} new", arms, "mean")
                    for c, arms in fres.get("concurrency", {}).items()]
-        # the arms a run has only where asked for (--chunk-major-together, --serial-widths) appear where it has them
-        present = {name for _, arms, _ in groups for name in arms}
-        series = ["resident"] + [f"{pl}/{kind}" for pl in placements for kind in ("chunk", "chunk-together", "best",
-                                                                                   "best-serial")
-                                 if not kind.endswith("-together") or f"{pl}/chunk-together" in present
-                                 if kind != "best-serial" or any(n.startswith(f"{pl}/w") and n.endswith("-serial")
-                                                                 for n in present)]
+        series = ["resident"]
+        for pl in placements:  # the arms a run has only where asked for (--chunk-major-together, --serial-widths)
+            series.append(f"{pl}/chunk")
+            if any(f"{pl}/chunk-together" in arms for _, arms, _ in groups):
+                series.append(f"{pl}/chunk-together")
+            series.append(f"{pl}/best")
+            if any(_best(arms, pl, stat, serial=True) for _, arms, stat in groups):
+                series.append(f"{pl}/best-serial")
         width = 0.8 / len(series)
         for si, sname in enumerate(series):
             xs, ys, labels = [], [], []

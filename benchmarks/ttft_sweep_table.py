@@ -152,7 +152,7 @@ def target_rows(runs: list[dict[str, Any]]) -> list[str]:
     together = [r for r in every_conc if "never_worse_than_together" in r]
     return ["| target | cells | met | figure, lowest to highest |", "|" + " --- |" * 4,
             row("one request, 16k tokens or more: 85% of the ceiling", [r["fraction_of_ceiling"] for r in long_one],
-                [r["fraction_of_ceiling"] >= 0.85 for r in long_one], "{:.0%}"),
+                [r["met_85pct"] for r in long_one], "{:.0%}"),
             row("one request, shorter: 70% of the ceiling", [r["fraction_of_ceiling"] for r in short_one],
                 [r["fraction_of_ceiling"] >= 0.70 for r in short_one], "{:.0%}"),
             row("auto within 3% of the best fixed width", [r["auto_vs_best_fixed"] for r in autos],
