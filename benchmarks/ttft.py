@@ -20,7 +20,8 @@ context are time-sliced against that compute. This benchmark runs the compute.
   default is two per SM); ``-bufsN`` (``engine-bufs4``) gives its copies N staging buffers (the default is
   two); ``-priohigh`` (``engine-priohigh``) runs its copy
   and scatter streams at the highest priority (the
-  default is normal priority; ``-prio0`` names it).
+  default is normal priority; ``-prio0`` names it); ``-paced`` (``engine-paced``) starts each load's copies only
+  once the engine's poll saw the load before it complete (the ``pace_loads`` setting).
 * The engine's thread between polls: it sleeps 20 us (``--engine-loop sleep``, the default) or stays in
   Python for 20 us (``spin``), as an engine busy scheduling and launching does; a spinning thread holds the
   GIL, which the copying threads of an engine placement then wait for.
@@ -68,6 +69,9 @@ from shapes import SHAPES, Shapes  # noqa: E402  (a sibling module)
 from transfer import copier_engine, device_info, wait_pool_registered  # noqa: E402  (a sibling script)
 
 ENGINE_FORMATS = ("vllm-LBNHC", "sglang", "trtllm")
+PACED_SUFFIX = "-paced"
+"""An engine placement named with ``-paced`` (``engine-paced``) has ``pace_loads`` on: its queue starts each load's
+copies only once the engine's thread settled the load before it."""
 LOCATE_SUFFIX = "-retrieve"
 """A engine placement ending in ``-retrieve`` asks RETRIEVE where each load's chunks are, instead of starting from
 the LOOKUP's reply."""
@@ -130,23 +134,27 @@ class ArmSettings:
     priority: int | None = None
     ctas: int | None = None
     buffers: int | None = None
+    paced: bool = False
 
 
 def arm_settings(placement: str) -> ArmSettings:
-    """Parse a placement name: a base, then suffixes in the order ``-bufsN``, ``-ctasN``, ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name
-    that leaves anything else is refused, so a misspelt arm cannot run the default settings under another name."""
+    """Parse a placement name: a base, then suffixes in the order ``-paced``, ``-bufsN``, ``-ctasN``,
+    ``-prio0``/``-priohigh``, ``-retrieve``, ``-twinN`` (any may be left out). A name that leaves anything else is
+    refused, so a misspelt arm cannot run the default settings under another name."""
     base, _twin = numbered_suffix(placement, TWIN_SUFFIX)
     base, priority = copy_priority(base.removesuffix(LOCATE_SUFFIX))
     base, ctas = scatter_ctas(base)
     base, buffers = staging_buffers(base)
+    paced = base.endswith(PACED_SUFFIX)
+    base = base.removesuffix(PACED_SUFFIX)
     if base not in BASE_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: {base!r} is not one of {', '.join(BASE_PLACEMENTS)} (suffixes "
-                         "go in the order -bufsN, -ctasN, -prio0/-priohigh, "
+                         "go in the order -paced, -bufsN, -ctasN, -prio0/-priohigh, "
                          "-retrieve)")
     if base == "server" and ((ctas, buffers, priority, _twin) != (None,) * 4
-                             or placement.endswith(LOCATE_SUFFIX)):
+                             or placement.endswith(LOCATE_SUFFIX) or paced):
         raise ValueError(f"placement {placement!r}: the copier and queue suffixes are for engine-placement arms only")
-    return ArmSettings(base, priority, ctas, buffers)
+    return ArmSettings(base, priority, ctas, buffers, paced)
 
 
 
@@ -463,7 +471,7 @@ def build_rig(fmt: str, client: Any, s: Shapes, prompts: list[list[int]], prefix
             rig.staging.append(staging)
             worker = EnginePlacement(arm_client, instance_base + n, cache.layout, event_backend=backend,
                                      local_regions=cache.region_tensors(),
-                                     registration_layout=staging.layout)
+                                     registration_layout=staging.layout, pace_loads=arm.paced)
         t = time.perf_counter()
         worker.register()
         rig.register_s[placement] = round(time.perf_counter() - t, 3)

@@ -76,12 +76,12 @@ def make_placement(name: str, client: CacheClient, instance_id: int, layout: Pag
                    layer_wait_timeout: float = RuntimeSettings.layer_wait_timeout,
                    retrieve_timeout: float = RuntimeSettings.retrieve_timeout,
                    pool_writable: bool = False,
-                   slice_observer: SliceObserver | None = None) -> Placement:
+                   slice_observer: SliceObserver | None = None, pace_loads: bool = False) -> Placement:
     """The placement called ``name`` for one registered cache (not registered yet: call its ``register``).
 
     Each option goes to the placement it concerns and the other ignores it: ``pool_slots`` (arrival slots) to
     server placement; ``local_regions``, ``own_registration_area``, ``setup_timeout``,
-    ``pool_writable`` and ``slice_observer`` to engine
+    ``pool_writable``, ``slice_observer`` and ``pace_loads`` to engine
     placement (see :class:`ServerPlacement` and :class:`EnginePlacement`)."""
     cls = PLACEMENTS.get(name)
     if cls is None:
@@ -93,4 +93,5 @@ def make_placement(name: str, client: CacheClient, instance_id: int, layout: Pag
         return ServerPlacement(client, instance_id, layout, pool_slots=pool_slots, **common)
     return EnginePlacement(client, instance_id, layout, local_regions=local_regions,
                            own_registration_area=own_registration_area, setup_timeout=setup_timeout,
-                           pool_writable=pool_writable, slice_observer=slice_observer, **common)
+                           pool_writable=pool_writable, slice_observer=slice_observer, pace_loads=pace_loads,
+                           **common)

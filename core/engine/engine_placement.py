@@ -91,14 +91,15 @@ class EnginePlacement(Placement):
                  registration_layout: PagedKVLayout | None = None, own_registration_area: bool = False,
                  setup_timeout: float | None = None,
                  pool_writable: bool = False,
-                 slice_observer: SliceObserver | None = None) -> None:
+                 slice_observer: SliceObserver | None = None, pace_loads: bool = False) -> None:
         """``local_regions``: the engine cache this process writes (and reads, to store).
         ``registration_layout``: what the server is told instead of the cache; with ``own_registration_area``
         this placement makes its own :class:`RegistrationArea` at registration (sized from the server's chunk
         size, asked with ``setup_timeout``) and removes it at :meth:`close`. ``pool_writable``: map the server's
         pool writable too, so this process STOREs by copying into objects the server reserved
         (:meth:`store`); otherwise it is mapped read-only. ``slice_observer``: told of each load's slices as the
-        queue enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
+        queue enqueues them (:data:`~kvstrata.core.transfer.planner.SliceObserver`). ``pace_loads``: the queue
+        plans each load only once this placement settled the one before (:attr:`TransferQueue.pace_loads`)."""
         if local_regions is None:
             raise ValueError("engine placement needs local_regions: the engine cache this process writes")
         if own_registration_area and registration_layout is not None:
@@ -127,7 +128,8 @@ class EnginePlacement(Placement):
         self._queue = TransferQueue(client, layout, copier_for=self._copier_for,
                                     chunk_size=lambda: self.chunk_size, retrieve_timeout=retrieve_timeout,
                                     landed=self._event_backend.landed, generations_for=self._generations_for,
-                                    copy_rate=lambda: self.slice_width.copy_rate, slice_observer=slice_observer)
+                                    copy_rate=lambda: self.slice_width.copy_rate, slice_observer=slice_observer,
+                                    pace_loads=pace_loads)
 
     # --- registration ----------------------------------------------------------------
 
@@ -213,8 +215,10 @@ class EnginePlacement(Placement):
         return not inf.future.done()
 
     def _settled(self, inf: InFlight, board_complete: bool) -> None:
-        if board_complete and isinstance(inf, EngineLoad):  # settled here, before the queue's thread got to it
-            self._queue.free_locks(inf.load)
+        if isinstance(inf, EngineLoad):
+            if board_complete:  # settled here, before the queue's thread got to it
+                self._queue.free_locks(inf.load)
+            self._queue.engine_settled(inf.load)
 
     # --- the server's pool -----------------------------------------------------------
 

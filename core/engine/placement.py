@@ -464,11 +464,12 @@ class Placement(ABC):
         while True:
             self.client.transport.poll()
             with self._lock:
+                # every load, not only these: one of them may wait for an earlier load to be settled here first
+                # (an engine placement's pace_loads)
+                for inf in list(self._inflight.values()):
+                    self._collect(inf)
                 pending = [self._inflight[r] for r in request_ids if r in self._inflight
                            and not self._inflight[r].settled]
-                for inf in pending:
-                    self._collect(inf)
-                pending = [i for i in pending if not i.settled]
                 if not pending:
                     return
                 if time.monotonic() > deadline:

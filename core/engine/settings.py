@@ -98,6 +98,11 @@ class RuntimeSettings:
     IPC), ``engine`` (this process copies between its cache and the server's L1 pool) or ``auto``:
     engine placement for a GPU cache (faster under the engine's compute, see benchmarks/ttft.py), server
     placement for a CPU cache the server can open, engine placement otherwise."""
+    pace_loads: bool = False
+    """Engine placement: start a load's copies only once the engine has seen the load before it complete (at
+    its poll), as chunk-major served one request after another does. Concurrent requests then go back about
+    one per engine step instead of together into one large step; the copy engine idles while the engine's
+    thread is busy in its step. Off: each load starts as soon as the copies ahead of it are nearly done."""
     model_name: str | None = None
     lookup_timeout: float = 2.0
     layer_wait_timeout: float = 10.0
@@ -175,8 +180,9 @@ class RuntimeSettings:
                 raise ValueError(f"must be >= 0, got {values[name]}")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}.{name}: {exc}") from None
-        if "store" in values and not isinstance(values["store"], bool):
-            raise ValueError(f"{where}.store must be true or false, got {values['store']!r}")
+        for name in ("store", "pace_loads"):
+            if name in values and not isinstance(values[name], bool):
+                raise ValueError(f"{where}.{name} must be true or false, got {values[name]!r}")
         for name in ("curve_server_key", "curve_client_key"):
             if values.get(name) is not None and (not isinstance(values[name], str) or not values[name]):
                 raise ValueError(f"{where}.{name} must be a key file's path, got {values[name]!r}")

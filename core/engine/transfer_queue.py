@@ -26,7 +26,10 @@ Two threads, so that enqueuing never waits for a copy to finish:
   a load only once the load planned before it has at most :data:`PLAN_LEAD_S` of
   copies left, so the GPU never holds a whole burst: whatever waits for the engine's
   context to be idle would wait for all of it (docs/decisions.md, "The queue plans a
-  load once the copies ahead of it are down to a lead"). On a GPU, a load that will be planned
+  load once the copies ahead of it are down to a lead"). With ``pace_loads``, the next load
+  is planned only once the engine's thread has settled the one before (seen it complete when it
+  polled), as chunk-major served one request after another starts its next transfer: concurrent
+  requests then go back about one per engine step (:meth:`TransferQueue.engine_settled`). On a GPU, a load that will be planned
   right away at submit has its first layer's copy into staging handed to the GPU before
   anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
   takes longer than that copy needs to start. A load's first layer is planned
@@ -130,6 +133,9 @@ class QueuedLoad:
     """(layers landed once it has run, completion) of each slice planned so far, in order."""
     ahead: "FirstLayerAhead | None" = None
     """Its first layer's copy, handed to the GPU at submit (:meth:`TransferQueue.first_layer_ahead`)."""
+    engine_settled: threading.Event = field(default_factory=threading.Event)
+    """Set once the engine's thread settled it (:meth:`TransferQueue.engine_settled`): with ``pace_loads``, the
+    load after it is planned only then."""
 
     @property
     def request_id(self) -> str:
@@ -169,15 +175,26 @@ class TransferQueue:
                  retrieve_timeout: float, landed: Callable[[Any], bool],
                  generations_for: Callable[[dict[str, Any]], Any],
                  copy_rate: Callable[[], float] | None = None,
-                 slice_observer: planner.SliceObserver | None = None) -> None:
+                 slice_observer: planner.SliceObserver | None = None, pace_loads: bool = False) -> None:
         """``copier_for(pool)``: the copier for the pool a reply names (maps it on first use, or again after the
         server restarted with a new pool); ``generations_for(pool)``: that pool's generation and landed words, mapped
         read-only. ``landed(completion)``: whether a slice's copy has run
         (``EventBackend.landed``). ``copy_rate()``: the bytes a second this process's copies move (the slice-width
         model's measure), from which the enqueue thread tells when the copies ahead of a load are down to
         :attr:`plan_lead`; without it, it plans each load at once. ``slice_observer``: told of each load's slices
-        as they are enqueued (:data:`~kvstrata.core.transfer.planner.SliceObserver`)."""
+        as they are enqueued (:data:`~kvstrata.core.transfer.planner.SliceObserver`). ``pace_loads``: plan a
+        load only once the engine's thread settled the load planned before it (see :attr:`pace_loads`)."""
         self._slice_observer = slice_observer
+        self.pace_loads = pace_loads
+        """Plan each load only once the engine's thread has settled the load planned before it
+        (:meth:`engine_settled`), so that loads complete at most one per engine poll, as chunk-major served one
+        request after another does; otherwise (the default) a load is planned once the copies ahead of it are
+        down to :attr:`plan_lead`. Waiting for the engine leaves the copy engine idle while the engine's thread
+        is busy in its step, so concurrent requests go back spread over the engine's steps rather than together
+        into one large step."""
+        self.waiting_for_engine: str | None = None
+        """The request whose settle by the engine's thread the enqueue thread is waiting for (``pace_loads``)."""
+        self._closing = False
         self.client = client
         self.layout = layout
         self._copier_for = copier_for
@@ -257,6 +274,7 @@ class TransferQueue:
 
     def close(self) -> None:
         """Stop taking loads; what was submitted still runs to the end (its copies may be writing)."""
+        self._closing = True  # a paced wait for the engine's thread ends: no engine polls a closing queue
         with self._pending_cond:
             self._pending.append(None)
             self._hand_over()
@@ -272,6 +290,11 @@ class TransferQueue:
         if load.last_completion is not None and not self._landed(load.last_completion):
             return False
         return load.generations is None or generations_unchanged(load.generations, load.sources)
+
+    def engine_settled(self, load: QueuedLoad) -> None:
+        """Called from the engine's thread once it settled ``load`` (saw it complete or failed, when it polled):
+        with :attr:`pace_loads`, the load after it may be planned now."""
+        load.engine_settled.set()
 
     def free_locks(self, load: QueuedLoad) -> None:
         """Send FREE_LOOKUP_LOCKS for ``load`` unless already sent: by the settle thread, or first by the engine's
@@ -338,16 +361,23 @@ class TransferQueue:
 
     def _behind_copies(self) -> bool:
         """Whether the load planned last still has copies to run (called holding ``_planning``): a load planned now
-        would queue behind them on the copy engine."""
+        would queue behind them on the copy engine. With :attr:`pace_loads`, until the engine's thread settled it."""
         last = self._last_planned
-        return (last is not None and last.error is None and last.last_completion is not None
-                and not self._landed(last.last_completion))
+        if last is None or last.error is not None:
+            return False
+        if self.pace_loads:
+            return not last.engine_settled.is_set()
+        return last.last_completion is not None and not self._landed(last.last_completion)
 
     def _wait_for_lead(self) -> None:
         """On the enqueue thread, holding ``_planning``, before it plans a load: wait, without the GIL, until the load
         planned last has at most :attr:`plan_lead` of copies left to run (by the measured copy rate), so that the
-        GPU holds at most that and one load's copies at a time. Its failure is its own: the wait just ends."""
+        GPU holds at most that and one load's copies at a time. Its failure is its own: the wait just ends.
+        With :attr:`pace_loads`: until the engine's thread settled it (:meth:`_wait_for_engine`)."""
         last = self._last_planned
+        if self.pace_loads:
+            self._wait_for_engine(last)
+            return
         if (self._copy_rate is None or last is None or last.error is not None or last.job is None
                 or not last.slice_ends):
             return
@@ -365,6 +395,25 @@ class TransferQueue:
         except BaseException:  # noqa: BLE001 - reported by that load when it settles
             log.debug("waiting for load %s's copies before planning the next ended early", last.request_id,
                       exc_info=True)
+
+    def _wait_for_engine(self, last: QueuedLoad | None) -> None:
+        """``pace_loads``: wait, without the GIL, until the engine's thread settled ``last`` (the load planned
+        before), it failed here, or the queue closes. Bounded by the retrieve timeout: an engine that stopped polling
+        does not hold every later load; that wait is logged."""
+        if last is None:
+            return
+        deadline = time.monotonic() + self.retrieve_timeout
+        self.waiting_for_engine = last.request_id
+        try:
+            while not last.engine_settled.wait(0.05):
+                if last.error is not None or self._closing:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("pace_loads: the engine's thread did not settle request %s within the %g s retrieve "
+                                "timeout; planning the next load without it", last.request_id, self.retrieve_timeout)
+                    return
+        finally:
+            self.waiting_for_engine = None
 
     def _plan(self, load: QueuedLoad, inline: bool) -> bool:
         """Locate and plan ``load`` and hand it to the settle thread; False (nothing planned) when ``inline`` and

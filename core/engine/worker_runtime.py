@@ -41,6 +41,7 @@ from kvstrata.core.engine.requests import LoadSpec, StoreSpec, shard_key
 from kvstrata.core.engine.settings import RuntimeSettings
 from kvstrata.core.engine.stats import RuntimeStats, StatsAccumulator
 from kvstrata.core.store.keys import CacheKey
+from kvstrata.core.transfer.layouts import PLACEMENT_ENGINE
 from kvstrata.core.wire.client import CacheClient
 from kvstrata.core.wire.protocol import RequestType
 from kvstrata.core.wire.transport import RemoteError
@@ -104,6 +105,9 @@ class WorkerRuntime:
         """Describe the engine's cache (the adapter's hooks), then connect if the server answers."""
         self.placement, self.description = choose_placement(self.adapter, self.settings.placement, kv_caches)
         self.event_backend = self.adapter.event_backend(self.description.device)
+        if self.settings.pace_loads and self.placement != PLACEMENT_ENGINE:
+            log.warning("kvstrata pace_loads applies to engine placement only; placement %s starts every load at "
+                        "once", self.placement)
         if not self._connect() and self._refused is None:  # a refusal was logged with the server's reason
             log.warning("kvstrata server %s is not reachable; the engine computes every prompt until it is "
                         "(retrying every %.0fs)", self.settings.server_address, RECONNECT_INTERVAL)
@@ -132,7 +136,7 @@ class WorkerRuntime:
                 self.placement, self.client, self.instance_id, d.layout, event_backend=self.event_backend,
                 local_regions=d.local_regions, own_registration_area=True, setup_timeout=s.lookup_timeout,
                 pool_slots=s.pool_slots, layer_wait_timeout=s.layer_wait_timeout,
-                retrieve_timeout=s.retrieve_timeout, pool_writable=s.store)
+                retrieve_timeout=s.retrieve_timeout, pool_writable=s.store, pace_loads=s.pace_loads)
             transfers.register()
         except Exception as exc:
             if transfers is not None:  # its arrival slots, copy threads or area: the next try builds new ones

@@ -396,3 +396,52 @@ def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to
         backend.land_everything()
         worker.close()
         engine.close()
+
+
+def test_paced_loads_start_only_once_the_engines_thread_settled_the_load_before(client):
+    """``pace_loads``: the second of two loads is not planned when every copy of the first has run and the settle
+    thread has resolved it, only once the engine's thread settles the first at its poll (the enqueue thread says
+    whom it waits for meanwhile). A preemption wait for a third load settles the second itself, rather than wait
+    for a poll that its own wait holds off. All three land byte-exact."""
+    tokens, width = 64, 8  # 32 layers: four slices a load
+    engine = ReferenceEngine(SMALL_32, num_blocks=4 * tokens // 16 + 4, block_size=16)
+    backend = _GatedBackend(_ThreadRecordingCopier)
+    worker = EnginePlacement(client, 18, engine.layout, local_regions=engine.regions, event_backend=backend,
+                             pace_loads=True)
+    queue = worker._queue
+    deadline = time.monotonic() + 60  # only catches a hang
+
+    def until(condition, what):
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.001)
+
+    try:
+        worker.register()
+        prompt = random_prompt(tokens, seed=28)
+        store_prompt(client, engine, prompt, instance_id=18)
+        dsts = {rid: submit_located(client, worker, engine, rid, prompt, width) for rid in ("first", "behind")}
+        until(lambda: queue.waiting_for_engine == "first", "the enqueue thread never waited for the first load")
+        backend.land_everything()
+        first = worker._inflight["first"].load
+        until(first.future.done, "the settle thread never resolved the first load")
+        assert first.future.exception() is None
+        assert len(backend.copier.planned_on) == 4 and queue.waiting_for_engine == "first"
+        assert worker.records["behind"].planned_at is None
+        release_of(worker, "first")  # the engine's poll: it settles the first
+        until(lambda: len(backend.copier.planned_on) == 8, "the second load was never planned")
+        assert backend.copier.planned_on[4:] == ["kvstrata-transfer-enqueue"] * 4
+        dsts["third"] = submit_located(client, worker, engine, "third", prompt, width)  # the second not settled yet
+        until(lambda: queue.waiting_for_engine == "behind", "the enqueue thread never waited for the second load")
+        worker.wait_settled({"third"}, timeout=60)
+        assert worker.records["third"].failure is None and worker.records["third"].completed_at is not None
+        for rid in ("behind", "third"):
+            release_of(worker, rid)
+        worker.wait_all()
+        for rid, dst in dsts.items():
+            assert worker.records[rid].failure is None, rid
+            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+    finally:
+        backend.land_everything()
+        worker.close()
+        engine.close()

@@ -21,6 +21,8 @@ import ttft  # noqa: E402  (the benchmark script, imported for its arm parser)
     ("engine-priohigh", ttft.ArmSettings("engine", priority=-1)),
     ("engine-prio0", ttft.ArmSettings("engine", priority=0)),
     ("engine-bufs3-ctas66-priohigh-retrieve", ttft.ArmSettings("engine", -1, 66, 3)),
+    ("engine-paced", ttft.ArmSettings("engine", paced=True)),
+    ("engine-paced-bufs4-retrieve", ttft.ArmSettings("engine", buffers=4, paced=True)),
 ])
 def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft.ArmSettings) -> None:
     assert ttft.arm_settings(name) == expected
@@ -29,7 +31,8 @@ def test_an_arm_name_parses_into_the_settings_it_names(name: str, expected: ttft
 
 
 @pytest.mark.parametrize("name", ["engine-priohigh-bufs4", "wroker", "server-norings", "engine-rr", "engine-bufs", "server-bufs4",
-                                  "server-retrieve", "engine-prio1", "engine-handover1", "engine-ahead0"])
+                                  "server-retrieve", "engine-prio1", "engine-handover1", "engine-ahead0",
+                                  "server-paced", "engine-bufs4-paced"])
 def test_a_name_that_leaves_anything_unparsed_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ttft.arm_settings(name)

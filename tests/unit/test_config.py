@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from kvstrata.core.engine.settings import resolve_layers_per_slice
+from kvstrata.core.engine.settings import RuntimeSettings, resolve_layers_per_slice
 
 
 @pytest.mark.parametrize("value, width", [
@@ -39,3 +39,10 @@ def test_the_old_placement_name_worker_still_works_with_a_deprecation_warning(ca
     settings = RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", "placement": "worker"}, where="cfg")
     assert settings.placement == "engine"
     assert any("cfg.placement='worker' is deprecated" in r.message for r in caplog.records)
+
+
+def test_pace_loads_is_off_unless_set_and_must_be_a_bool():
+    assert RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x"}).pace_loads is False
+    assert RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", "pace_loads": True}).pace_loads is True
+    with pytest.raises(ValueError, match=r"cfg\.pace_loads must be true or false, got 'yes'"):
+        RuntimeSettings.from_mapping({"server_address": "ipc:///tmp/x", "pace_loads": "yes"}, where="cfg")
