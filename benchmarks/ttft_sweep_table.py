@@ -134,9 +134,14 @@ LONG_PREFIX = 16384
 
 def target_rows(runs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets counted over this sweep's cells: how many cells meet each, and the range of the figure.
-    One-request targets count the one-request runs only."""
-    one = [(c["prefix_tokens"], r) for c, _, _, r, _ in cells(one_request_runs(runs), "concurrency_1")]
-    conc = [(c["prefix_tokens"], requests, r) for c, _, requests, r, _ in cells(runs, "concurrency")]
+    One-request targets count the one-request runs only; every target counts the engine placement as it is by
+    default, and the concurrency targets are counted again for each other placement a run measured
+    (``engine-paced``)."""
+    one = [(c["prefix_tokens"], r) for c, name, _, r, _ in cells(one_request_runs(runs), "concurrency_1")
+           if "/" not in name]
+    conc = [(c["prefix_tokens"], requests, r) for c, name, requests, r, _ in cells(runs, "concurrency")
+            if "/" not in name]
+    others = sorted({name.partition("/")[2] for _, name, *_ in cells(runs, "concurrency") if "/" in name})
     spins = [b / a - 1 for *_, a, b in spin_changes(runs)]
 
     def row(target: str, values: list[float], met: list[bool], fmt: str) -> str:
@@ -165,7 +170,25 @@ def target_rows(runs: list[dict[str, Any]]) -> list[str]:
             row("4 requests, 16k tokens or more: 20% lower mean", [r["mean_change"] for r in four_long],
                 [r["mean_change"] <= -0.20 for r in four_long], "{:+.1%}"),
             row("a spinning engine thread moves a load's completion by at most 10%", spins,
-                [abs(x) <= 0.10 for x in spins], "{:+.1%}")]
+                [abs(x) <= 0.10 for x in spins], "{:+.1%}")] + [
+            line for placement in others for line in placement_rows(runs, placement)]
+
+
+def placement_rows(runs: list[dict[str, Any]], placement: str) -> list[str]:
+    """The concurrency targets of :func:`target_rows` for the engine placement named ``placement``."""
+    conc = [(c["prefix_tokens"], requests, r) for c, name, requests, r, _ in cells(runs, "concurrency")
+            if name.partition("/")[2] == placement]
+    every = [r for _, _, r in conc]
+    four_long = [r for prefix, requests, r in conc if prefix >= LONG_PREFIX and requests == "4"]
+    out = []
+    for target, rows, values, met in [
+            ("2-16 requests: best fixed width never worse than chunk-major served one after another (mean change)",
+             every, [r["mean_change"] for r in every], [r["never_worse"] for r in every]),
+            ("4 requests, 16k tokens or more: 20% lower mean", four_long, [r["mean_change"] for r in four_long],
+             [r["mean_change"] <= -0.20 for r in four_long])]:
+        figures = f"{min(values):+.1%} to {max(values):+.1%}" if values else ""
+        out.append(f"| {placement}: {target} | {len(rows)} | {sum(met) if rows else ''} | {figures} |")
+    return out
 
 
 def timeline_cells(runs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:

@@ -107,7 +107,12 @@ def test_the_targets_are_counted_over_one_request_runs_by_prefix_and_over_each_c
                        "concurrency": {"2": {"mean_change": -0.3, "never_worse": True},
                                        "4": {"mean_change": 0.05, "never_worse": False,
                                              "best_vs_together_mean_change": -0.02,
-                                             "never_worse_than_together": True}}}},
+                                             "never_worse_than_together": True}}},
+                               # another placement's cells are counted apart, in rows named after it
+                               "vllm-LBNHC/engine-paced": {
+                       "concurrency_1": {"128": {"fraction_of_ceiling": 0.2, "auto_vs_best_fixed": 0.6}},
+                       "concurrency": {"2": {"mean_change": -0.1, "never_worse": True},
+                                       "4": {"mean_change": -0.25, "never_worse": True}}}},
                    "formats": {}}
     runs = [one_request(30720, "sleep", 0.90, 0.01, 10.0), one_request(30720, "spin", 0.80, 0.04, 11.5),
             one_request(4096, "sleep", 0.75, -0.02, 4.0), concurrency]
@@ -120,4 +125,7 @@ def test_the_targets_are_counted_over_one_request_runs_by_prefix_and_over_each_c
         "| -30.0% to +5.0% |",
         "| the same, against chunk-major submitted together (where measured) | 1 | 1 | -2.0% to -2.0% |",
         "| 4 requests, 16k tokens or more: 20% lower mean | 1 | 0 | +5.0% to +5.0% |",
-        "| a spinning engine thread moves a load's completion by at most 10% | 1 | 0 | +15.0% to +15.0% |"]
+        "| a spinning engine thread moves a load's completion by at most 10% | 1 | 0 | +15.0% to +15.0% |",
+        "| engine-paced: 2-16 requests: best fixed width never worse than chunk-major served one after another (mean "
+        "change) | 2 | 2 | -25.0% to -10.0% |",
+        "| engine-paced: 4 requests, 16k tokens or more: 20% lower mean | 1 | 1 | -25.0% to -25.0% |"]
