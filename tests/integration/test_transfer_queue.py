@@ -445,3 +445,31 @@ def test_paced_loads_start_only_once_the_engines_thread_settled_the_load_before(
         backend.land_everything()
         worker.close()
         engine.close()
+
+
+@pytest.mark.parametrize("placement", ["engine", "server"])
+def test_the_pace_loads_setting_reaches_the_engine_placements_queue_and_is_named_where_it_does_not_apply(
+        server, placement, caplog):
+    """From the deployer's settings through the worker runtime: engine placement's queue paces its loads; server
+    placement has no queue of this process's own, and says so rather than ignore the setting silently."""
+    from kvstrata.adapters.reference import conformance as reference
+    from kvstrata.core.adapter_api.plugins import load_adapter
+    from kvstrata.core.adapter_api.types import HarnessSpec
+    from kvstrata.core.engine.worker_runtime import WorkerRuntime
+
+    caplog.set_level("WARNING")
+    settings = RuntimeSettings(server.address, placement=placement, pace_loads=True,
+                               instance_id=940 if placement == "engine" else 950)
+    cache = reference.ReferenceCache(HarnessSpec(num_layers=4, num_blocks=16, block_size=16))
+    runtime = WorkerRuntime(load_adapter("reference"), settings, model="paced")
+    try:
+        runtime.register(cache.kv_caches)
+        assert runtime.connected
+        warned = any("pace_loads applies to engine placement only" in r.message for r in caplog.records)
+        if placement == "engine":
+            assert runtime.transfers._queue.pace_loads is True and not warned
+        else:
+            assert not hasattr(runtime.transfers, "_queue") and warned
+    finally:
+        runtime.close()
+        cache.close()
