@@ -103,21 +103,21 @@ def one_request_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def spin_changes(runs: list[dict[str, Any]]) -> Iterator[tuple[str, int, str, str, str, float, float]]:
     """(shape, prefix, format, new tokens, arm, median transfer ms sleeping, spinning) of every engine arm measured
     with both engine loops in one-request runs of one commit."""
-    by_cell: dict[tuple, dict[str, Any]] = {}
-    for r in one_request_runs(runs):
+    by_cell: dict[tuple, dict[str, tuple[str | None, dict[str, Any]]]] = {}
+    for r in one_request_runs(runs):  # by format: one cell's formats may come from several runs
         c = r["config"]
-        by_cell.setdefault((c["shape"], c["prefix_tokens"]), {})[c["engine_loop"]] = r
-    for (shape, prefix), loops in sorted(by_cell.items()):
-        if not {"sleep", "spin"} <= set(loops) or loops["sleep"].get("commit") != loops["spin"].get("commit"):
+        for fmt, fres in r["formats"].items():
+            by_cell.setdefault((c["shape"], c["prefix_tokens"], fmt), {})[c["engine_loop"]] = (r.get("commit"), fres)
+    for (shape, prefix, fmt), loops in sorted(by_cell.items()):
+        if not {"sleep", "spin"} <= set(loops) or loops["sleep"][0] != loops["spin"][0]:
             continue  # a comparison within one commit's code only
-        for fmt, fres in sorted(loops["sleep"]["formats"].items()):
-            spun = loops["spin"]["formats"].get(fmt, {})
-            for new, arms in sorted(fres.get("concurrency_1", {}).items(), key=lambda kv: int(kv[0])):
-                for arm, stats in sorted(arms.items()):
-                    other = spun.get("concurrency_1", {}).get(new, {}).get(arm)
-                    if "transfer_ms" not in stats or not other:
-                        continue
-                    yield shape, prefix, fmt, new, arm, stats["transfer_ms"]["median"], other["transfer_ms"]["median"]
+        fres, spun = loops["sleep"][1], loops["spin"][1]
+        for new, arms in sorted(fres.get("concurrency_1", {}).items(), key=lambda kv: int(kv[0])):
+            for arm, stats in sorted(arms.items()):
+                other = spun.get("concurrency_1", {}).get(new, {}).get(arm)
+                if "transfer_ms" not in stats or not other:
+                    continue
+                yield shape, prefix, fmt, new, arm, stats["transfer_ms"]["median"], other["transfer_ms"]["median"]
 
 
 def spin_rows(runs: list[dict[str, Any]]) -> list[str]:

@@ -91,13 +91,14 @@ def test_a_cells_time_beyond_perfect_overlap_is_its_best_width_over_the_longer_o
 def test_the_targets_are_counted_over_one_request_runs_by_prefix_and_over_each_concurrency_cell() -> None:
     import ttft_sweep_table
 
-    def one_request(prefix: int, loop: str, share: float, auto: float, transfer: float) -> dict:
+    def one_request(prefix: int, loop: str, share: float, auto: float, transfer: float,
+                    fmt: str = "vllm-LBNHC") -> dict:
         return {"config": {"shape": "s", "prefix_tokens": prefix, "engine_loop": loop, "concurrency": []},
                 "commit": "c",
-                "targets": {"vllm-LBNHC/engine": {"concurrency_1": {"128": {
+                "targets": {f"{fmt}/engine": {"concurrency_1": {"128": {
                     "fraction_of_ceiling": share, "met_85pct": share >= 0.85, "auto_vs_best_fixed": auto}},
                     "concurrency": {}}},
-                "formats": {"vllm-LBNHC": {"concurrency_1": {"128": {"engine/w1": {
+                "formats": {fmt: {"concurrency_1": {"128": {"engine/w1": {
                     "transfer_ms": {"median": transfer}}}}}}}
 
     concurrency = {"config": {"shape": "s", "prefix_tokens": 30720, "engine_loop": "sleep", "concurrency": [2, 4]},
@@ -115,12 +116,14 @@ def test_the_targets_are_counted_over_one_request_runs_by_prefix_and_over_each_c
                                        "4": {"mean_change": -0.25, "never_worse": True}}}},
                    "formats": {}}
     runs = [one_request(30720, "sleep", 0.90, 0.01, 10.0), one_request(30720, "spin", 0.80, 0.04, 11.5),
-            one_request(4096, "sleep", 0.75, -0.02, 4.0), concurrency]
+            one_request(4096, "sleep", 0.75, -0.02, 4.0), concurrency,
+            # another format's run of the same cell, sleeping only: the spin comparison still pairs vLLM's runs
+            one_request(30720, "sleep", 0.95, 0.0, 9.0, fmt="sglang")]
     rows = ttft_sweep_table.target_rows(runs)[2:]
     assert rows == [
-        "| one request, 16k tokens or more: 85% of the ceiling | 2 | 1 | 80% to 90% |",
+        "| one request, 16k tokens or more: 85% of the ceiling | 3 | 2 | 80% to 95% |",
         "| one request, shorter: 70% of the ceiling | 1 | 1 | 75% to 75% |",
-        "| auto within 3% of the best fixed width | 3 | 2 | -2.0% to +4.0% |",
+        "| auto within 3% of the best fixed width | 4 | 3 | -2.0% to +4.0% |",
         "| 2-16 requests: best fixed width never worse than chunk-major served one after another (mean change) | 2 | 1 "
         "| -30.0% to +5.0% |",
         "| the same, against chunk-major submitted together (where measured) | 1 | 1 | -2.0% to -2.0% |",
