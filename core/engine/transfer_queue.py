@@ -29,8 +29,9 @@ Two threads, so that enqueuing never waits for a copy to finish:
   load once the copies ahead of it are down to a lead"). With ``pace_loads``, the next load
   is planned only once the engine's thread has settled the one before (seen it complete when it
   polled), as chunk-major served one request after another starts its next transfer: concurrent
-  requests then go back about one per engine step (:meth:`TransferQueue.engine_settled`). On a GPU, a load that will be planned
-  right away at submit has its first layer's copy into staging handed to the GPU before
+  requests then go back about one per engine step (:meth:`TransferQueue.engine_settled`;
+  docs/decisions.md, "Loads can be paced to the engine's polls"). On a GPU, a load that will be
+  planned right away at submit has its first layer's copy into staging handed to the GPU before
   anything else is done for it (:meth:`TransferQueue.first_layer_ahead`): planning the load
   takes longer than that copy needs to start. A load's first layer is planned
   alone, inside the copier's ``slice_program``, which on a GPU hands its driver calls to
