@@ -132,6 +132,32 @@ LONG_PREFIX = 16384
 """The issue's "16k tokens or more"."""
 
 
+def target_row(target: str, values: list[float], met: list[bool], fmt: str) -> str:
+    """One row of :func:`target_rows`: the target, how many cells, how many met it, the range of the figure."""
+    if not values:
+        return f"| {target} | 0 | | |"
+    return f"| {target} | {len(values)} | {sum(met)} | {fmt.format(min(values))} to {fmt.format(max(values))} |"
+
+
+def concurrency_cells(runs: list[dict[str, Any]], placement: str = "") -> list[tuple[int, str, dict[str, Any]]]:
+    """(prefix, requests, target row) of every concurrency cell of the engine placement named ``placement``
+    ("": the engine placement as it is by default)."""
+    return [(c["prefix_tokens"], requests, r) for c, name, requests, r, _ in cells(runs, "concurrency")
+            if name.partition("/")[2] == placement]
+
+
+def concurrency_target_rows(conc: list[tuple[int, str, dict[str, Any]]], label: str = "") -> tuple[str, str]:
+    """The rows of :func:`target_rows` that every placement's concurrency cells ``conc`` get: never worse than
+    chunk-major served one after another, and 20% lower at 4 requests of 16k tokens or more."""
+    every = [r for _, _, r in conc]
+    four_long = [r for prefix, requests, r in conc if prefix >= LONG_PREFIX and requests == "4"]
+    return (target_row(f"{label}2-16 requests: best fixed width never worse than chunk-major served one after "
+                       "another (mean change)", [r["mean_change"] for r in every], [r["never_worse"] for r in every],
+                       "{:+.1%}"),
+            target_row(f"{label}4 requests, 16k tokens or more: 20% lower mean", [r["mean_change"] for r in four_long],
+                       [r["mean_change"] <= -0.20 for r in four_long], "{:+.1%}"))
+
+
 def target_rows(runs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets counted over this sweep's cells: how many cells meet each, and the range of the figure.
     One-request targets count the one-request runs only; every target counts the engine placement as it is by
@@ -139,56 +165,30 @@ def target_rows(runs: list[dict[str, Any]]) -> list[str]:
     (``engine-paced``)."""
     one = [(c["prefix_tokens"], r) for c, name, _, r, _ in cells(one_request_runs(runs), "concurrency_1")
            if "/" not in name]
-    conc = [(c["prefix_tokens"], requests, r) for c, name, requests, r, _ in cells(runs, "concurrency")
-            if "/" not in name]
+    conc = concurrency_cells(runs)
     others = sorted({name.partition("/")[2] for _, name, *_ in cells(runs, "concurrency") if "/" in name})
     spins = [b / a - 1 for *_, a, b in spin_changes(runs)]
-
-    def row(target: str, values: list[float], met: list[bool], fmt: str) -> str:
-        if not values:
-            return f"| {target} | 0 | | |"
-        return f"| {target} | {len(values)} | {sum(met)} | {fmt.format(min(values))} to {fmt.format(max(values))} |"
-
     long_one = [r for prefix, r in one if prefix >= LONG_PREFIX]
     short_one = [r for prefix, r in one if prefix < LONG_PREFIX]
     autos = [r for _, r in one if "auto_vs_best_fixed" in r]
-    every_conc = [r for _, _, r in conc]
-    four_long = [r for prefix, requests, r in conc if prefix >= LONG_PREFIX and requests == "4"]
-    together = [r for r in every_conc if "never_worse_than_together" in r]
+    together = [r for _, _, r in conc if "never_worse_than_together" in r]
+    never_worse, four_lower = concurrency_target_rows(conc)
     return ["| target | cells | met | figure, lowest to highest |", "|" + " --- |" * 4,
-            row("one request, 16k tokens or more: 85% of the ceiling", [r["fraction_of_ceiling"] for r in long_one],
-                [r["met_85pct"] for r in long_one], "{:.0%}"),
-            row("one request, shorter: 70% of the ceiling", [r["fraction_of_ceiling"] for r in short_one],
-                [r["fraction_of_ceiling"] >= 0.70 for r in short_one], "{:.0%}"),
-            row("auto within 3% of the best fixed width", [r["auto_vs_best_fixed"] for r in autos],
-                [r["auto_vs_best_fixed"] <= 0.03 for r in autos], "{:+.1%}"),
-            row("2-16 requests: best fixed width never worse than chunk-major served one after another (mean change)",
-                [r["mean_change"] for r in every_conc], [r["never_worse"] for r in every_conc], "{:+.1%}"),
-            row("the same, against chunk-major submitted together (where measured)",
-                [r["best_vs_together_mean_change"] for r in together], [r["never_worse_than_together"] for r in together],
-                "{:+.1%}"),
-            row("4 requests, 16k tokens or more: 20% lower mean", [r["mean_change"] for r in four_long],
-                [r["mean_change"] <= -0.20 for r in four_long], "{:+.1%}"),
-            row("a spinning engine thread moves a load's completion by at most 10%", spins,
-                [abs(x) <= 0.10 for x in spins], "{:+.1%}")] + [
-            line for placement in others for line in placement_rows(runs, placement)]
-
-
-def placement_rows(runs: list[dict[str, Any]], placement: str) -> list[str]:
-    """The concurrency targets of :func:`target_rows` for the engine placement named ``placement``."""
-    conc = [(c["prefix_tokens"], requests, r) for c, name, requests, r, _ in cells(runs, "concurrency")
-            if name.partition("/")[2] == placement]
-    every = [r for _, _, r in conc]
-    four_long = [r for prefix, requests, r in conc if prefix >= LONG_PREFIX and requests == "4"]
-    out = []
-    for target, rows, values, met in [
-            ("2-16 requests: best fixed width never worse than chunk-major served one after another (mean change)",
-             every, [r["mean_change"] for r in every], [r["never_worse"] for r in every]),
-            ("4 requests, 16k tokens or more: 20% lower mean", four_long, [r["mean_change"] for r in four_long],
-             [r["mean_change"] <= -0.20 for r in four_long])]:
-        figures = f"{min(values):+.1%} to {max(values):+.1%}" if values else ""
-        out.append(f"| {placement}: {target} | {len(rows)} | {sum(met) if rows else ''} | {figures} |")
-    return out
+            target_row("one request, 16k tokens or more: 85% of the ceiling",
+                       [r["fraction_of_ceiling"] for r in long_one], [r["met_85pct"] for r in long_one], "{:.0%}"),
+            target_row("one request, shorter: 70% of the ceiling", [r["fraction_of_ceiling"] for r in short_one],
+                       [r["fraction_of_ceiling"] >= 0.70 for r in short_one], "{:.0%}"),
+            target_row("auto within 3% of the best fixed width", [r["auto_vs_best_fixed"] for r in autos],
+                       [r["auto_vs_best_fixed"] <= 0.03 for r in autos], "{:+.1%}"),
+            never_worse,
+            target_row("the same, against chunk-major submitted together (where measured)",
+                       [r["best_vs_together_mean_change"] for r in together],
+                       [r["never_worse_than_together"] for r in together], "{:+.1%}"),
+            four_lower,
+            target_row("a spinning engine thread moves a load's completion by at most 10%", spins,
+                       [abs(x) <= 0.10 for x in spins], "{:+.1%}")] + [
+            line for placement in others
+            for line in concurrency_target_rows(concurrency_cells(runs, placement), f"{placement}: ")]
 
 
 def timeline_cells(runs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
