@@ -60,9 +60,7 @@ def test_concurrent_loads_reach_the_copier_one_after_another(client, tmp_path):
         read_every_layer(worker, SMALL_32.num_layers)
         assert enqueued[:4] == ["first"] * 4
         assert enqueued[4:] == ["a"] * 4 + ["b"] * 4
-        for rid, dst in dsts.items():
-            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
-            assert worker.records[rid].failure is None
+        assert_landed_whole(worker, engine, prompt, dsts)
     finally:
         hold.open_all()
         worker.close()
@@ -262,6 +260,14 @@ def test_a_copier_that_takes_programs_gets_the_first_layer_alone_and_the_release
         engine.close()
 
 
+def assert_landed_whole(worker: EnginePlacement, engine: ReferenceEngine, prompt: list[int],
+                        dsts: dict[str, list[int]]) -> None:
+    """Every load of ``dsts`` (request id -> destination blocks) settled without failure, its blocks byte-exact."""
+    for rid, dst in dsts.items():
+        assert worker.records[rid].failure is None, rid
+        assert engine.mismatched_layers(prompt, dst, 0, len(prompt)) == [], rid
+
+
 def submit_located(client, worker: EnginePlacement, engine: ReferenceEngine, rid: str, prompt: list[int],
                    width: int) -> list[int]:
     """What a scheduler and its worker do for a load located by its LOOKUP: LOOKUP the whole prompt (it must hit),
@@ -327,9 +333,7 @@ def test_a_load_submitted_behind_running_copies_is_planned_off_the_engines_threa
         submit("after")
         assert planned(12)[8:] == [here] * 4
         worker.wait_all()
-        for rid, dst in dsts.items():
-            assert worker.records[rid].failure is None, rid
-            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+        assert_landed_whole(worker, engine, prompt, dsts)
     finally:
         backend.land_everything()
         worker.close()
@@ -389,9 +393,7 @@ def test_the_enqueue_thread_plans_a_load_once_the_copies_ahead_of_it_are_down_to
         backend.land_everything()
         release_of(worker, "behind")
         worker.wait_all()
-        for rid, dst in dsts.items():
-            assert worker.records[rid].failure is None, rid
-            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+        assert_landed_whole(worker, engine, prompt, dsts)
     finally:
         backend.land_everything()
         worker.close()
@@ -438,9 +440,7 @@ def test_paced_loads_start_only_once_the_engines_thread_settled_the_load_before(
         for rid in ("behind", "third"):
             release_of(worker, rid)
         worker.wait_all()
-        for rid, dst in dsts.items():
-            assert worker.records[rid].failure is None, rid
-            assert engine.mismatched_layers(prompt, dst, 0, tokens) == [], rid
+        assert_landed_whole(worker, engine, prompt, dsts)
     finally:
         backend.land_everything()
         worker.close()
